@@ -1,0 +1,182 @@
+"""The HTTP face of the local cloud: vast.ai's REST paths, bodies and errors, plus the hub and admin.
+
+Bodies are sent with `Content-Type: application/json` exactly (the vastai CLI rejects anything
+else). Search and gpu names are public, as on vast.ai; the rest needs `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import logging
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from fleet.localcloud.cloud import ApiError, Cloud
+from fleet.localcloud.hub import Hub
+
+log = logging.getLogger("fleet.localcloud.api")
+
+PUBLIC_PATHS = ("/api/v0/bundles", "/api/v0/gpu_names/unique", "/api/v0/gpu_types")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps(data).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, "invalid_args", f"error 400/1782: Invalid args: invalid json: {e}") from None
+
+
+def _int_param(request: web.Request, name: str) -> int:
+    try:
+        return int(request.match_info[name])
+    except ValueError:
+        raise ApiError(400, "invalid_args", f"invalid {name}") from None
+
+
+def build_app(cloud: Cloud, hub: Hub) -> web.Application:
+    @web.middleware
+    async def vast_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        api = path.startswith("/api/") or path.startswith("/admin/")
+        try:
+            if path.startswith("/api/"):
+                if cloud.dice.fire(cloud.faults.rate_limit, path):
+                    return web.Response(status=429, text="API requests too frequent endpoint threshold=4.5",
+                                        content_type="text/plain")
+                if cloud.dice.fire(cloud.faults.server_error, path):
+                    status = cloud.faults.server_error.status if cloud.faults.server_error else 503
+                    return web.Response(status=status, text="Service Temporarily Unavailable",
+                                        content_type="text/plain")
+            if api and not path.startswith(PUBLIC_PATHS):
+                _check_auth(request, cloud.api_key)
+            return await handler(request)
+        except ApiError as e:
+            return json_response(e.body, e.status)
+        except web.HTTPException as e:
+            if not api:
+                raise
+            return json_response({"success": False, "error": "not_found" if e.status == 404 else "invalid_args",
+                                  "msg": e.reason}, e.status)
+        except Exception:  # an emulator bug must still answer in vast.ai's shape, and be logged
+            log.exception("unhandled error on %s %s", request.method, path)
+            if not api:
+                raise
+            return json_response({"success": False, "error": "server_error", "msg": "internal error"}, 500)
+
+    app = web.Application(middlewares=[vast_errors])
+    r = app.router
+
+    async def search(request: web.Request) -> web.Response:
+        return json_response({"offers": cloud.search(await read_json(request))})
+
+    async def create(request: web.Request) -> web.Response:
+        offer_id = _int_param(request, "id")
+        new_id = cloud.create(offer_id, await read_json(request))
+        return json_response({"success": True, "new_contract": new_id})
+
+    async def list_v1(request: web.Request) -> web.Response:
+        return json_response(cloud.list_rows(dict(request.query)))
+
+    async def show(request: web.Request) -> web.Response:
+        return json_response({"instances": cloud.get(_int_param(request, "id"))})
+
+    async def manage(request: web.Request) -> web.Response:
+        return json_response(cloud.manage(_int_param(request, "id"), await read_json(request)))
+
+    async def destroy(request: web.Request) -> web.Response:
+        instance_id = _int_param(request, "id")
+        await request.read()
+        cloud.destroy(instance_id)
+        return json_response({"success": True, "msg": f"Instance {instance_id} destroyed."})
+
+    async def legacy_list(request: web.Request) -> web.Response:
+        return json_response({"success": False, "error": "deprecated_endpoint",
+                              "msg": "/api/v0/instances/ is deprecated. Use /api/v1/instances/ instead."}, 410)
+
+    async def user(request: web.Request) -> web.Response:
+        return json_response(cloud.user())
+
+    async def charges(request: web.Request) -> web.Response:
+        try:
+            filters = json.loads(request.query.get("select_filters", "{}"))
+        except ValueError:
+            raise ApiError(400, "invalid_args", "Invalid args: select_filters is not JSON") from None
+        return json_response(cloud.charges(filters))
+
+    async def ssh_list(request: web.Request) -> web.Response:
+        return json_response(cloud.state.ssh_keys)
+
+    async def ssh_add(request: web.Request) -> web.Response:
+        return json_response({"success": True, "key": cloud.add_ssh_key(await read_json(request))})
+
+    async def ssh_delete(request: web.Request) -> web.Response:
+        cloud.delete_ssh_key(_int_param(request, "id"))
+        return json_response({"success": True})
+
+    async def gpu_names(request: web.Request) -> web.Response:
+        return json_response({"gpu_names": cloud.gpu_names()})
+
+    async def admin_faults_get(request: web.Request) -> web.Response:
+        return json_response(cloud.faults.to_dict())
+
+    async def admin_faults_put(request: web.Request) -> web.Response:
+        try:
+            cloud.set_faults(await read_json(request))
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, "invalid_args", f"Invalid args: {e}") from None
+        return json_response(cloud.faults.to_dict())
+
+    async def admin_offer_put(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid_args", "Invalid args: expected an object of offer fields")
+        return json_response(cloud.override_offer(_int_param(request, "id"), body))
+
+    def both(method: str, path: str, handler: Handler) -> None:
+        r.add_route(method, path, handler)
+        r.add_route(method, path.rstrip("/") if path.endswith("/") else path + "/", handler)
+
+    both("POST", "/api/v0/bundles/", search)
+    both("PUT", "/api/v0/asks/{id}/", create)
+    both("GET", "/api/v1/instances/", list_v1)
+    both("GET", "/api/v0/instances/", legacy_list)
+    both("GET", "/api/v0/instances/{id}/", show)
+    both("PUT", "/api/v0/instances/{id}/", manage)
+    both("DELETE", "/api/v0/instances/{id}/", destroy)
+    both("GET", "/api/v0/users/current", user)
+    both("GET", "/api/v0/charges/", charges)
+    both("GET", "/api/v0/ssh/", ssh_list)
+    both("POST", "/api/v0/ssh/", ssh_add)
+    both("DELETE", "/api/v0/ssh/{id}/", ssh_delete)
+    both("GET", "/api/v0/gpu_names/unique/", gpu_names)
+    both("GET", "/admin/faults", admin_faults_get)
+    both("PUT", "/admin/faults", admin_faults_put)
+    both("PUT", "/admin/offers/{id}", admin_offer_put)
+    for route in hub.routes():
+        r.add_route(route.method, route.path, route.handler)
+    return app
+
+
+def _check_auth(request: web.Request, api_key: str) -> None:
+    header = request.headers.get("Authorization")
+    key = request.query.get("api_key")
+    if header:
+        key = header[7:] if header.startswith("Bearer ") else header
+    if key is None:
+        raise ApiError(403, "auth_error", "This action requires login.")
+    if not secrets.compare_digest(key.encode(), api_key.encode()):
+        raise ApiError(401, "auth_error", "Invalid user key")

@@ -1,0 +1,91 @@
+"""Faults on demand: what the local cloud should get wrong next, from `faults.json` or the admin API.
+
+Request faults (`rate_limit`, `server_error`) and `pull_reset` fire for the next `count`
+matching requests, or for a `share` of them (seeded, so runs repeat). Host faults are keyed by
+machine id, so a test can aim at an offer before anyone rents it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestFault:
+    count: int = 0
+    share: float = 0.0
+    paths: list[str] = field(default_factory=list)  # path prefixes; empty = every API path
+    status: int = 429
+
+    def applies(self, path: str) -> bool:
+        return not self.paths or any(path.startswith(p) for p in self.paths)
+
+
+@dataclass
+class PullReset:
+    after_bytes: int = 0
+    count: int = 0
+
+
+@dataclass
+class DecodeSag:
+    start_after_s: float = 0.0
+    ramp_s: float = 60.0
+    max_stop_share: float = 0.6  # share of each 100 ms the llama-server is stopped at full sag
+
+    def stop_share(self, running_for_s: float) -> float:
+        t = running_for_s - self.start_after_s
+        if t <= 0:
+            return 0.0
+        return min(self.max_stop_share, self.max_stop_share * t / max(self.ramp_s, 1e-9))
+
+
+@dataclass
+class Faults:
+    rate_limit: RequestFault | None = None
+    server_error: RequestFault | None = None
+    vanish_at_create: list[int] = field(default_factory=list)
+    stuck_loading: list[int] = field(default_factory=list)
+    exit_after_s: dict[int, float] = field(default_factory=dict)
+    disappear_after_s: dict[int, float] = field(default_factory=dict)
+    pull_reset: PullReset | None = None
+    decode_sag: dict[int, DecodeSag] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Faults":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown fault(s): {', '.join(sorted(unknown))}")
+        return cls(
+            rate_limit=RequestFault(**data["rate_limit"]) if data.get("rate_limit") else None,
+            server_error=RequestFault(**{"status": 503, **data["server_error"]})
+            if data.get("server_error")
+            else None,
+            vanish_at_create=[int(x) for x in data.get("vanish_at_create", [])],
+            stuck_loading=[int(x) for x in data.get("stuck_loading", [])],
+            exit_after_s={int(k): float(v) for k, v in data.get("exit_after_s", {}).items()},
+            disappear_after_s={int(k): float(v) for k, v in data.get("disappear_after_s", {}).items()},
+            pull_reset=PullReset(**data["pull_reset"]) if data.get("pull_reset") else None,
+            decode_sag={int(k): DecodeSag(**v) for k, v in data.get("decode_sag", {}).items()},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class FaultDice:
+    """Decides whether a request fault fires now; consumes counts."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self._rng = random.Random(seed)
+
+    def fire(self, fault: RequestFault | None, path: str) -> bool:
+        if fault is None or not fault.applies(path):
+            return False
+        if fault.count > 0:
+            fault.count -= 1
+            return True
+        return fault.share > 0 and self._rng.random() < fault.share

@@ -1,0 +1,136 @@
+"""A model hub that serves files the way Hugging Face does.
+
+`/{owner}/{repo}/resolve/{rev}/{file}` answers 302 to a CDN path with `X-Linked-Etag` (the
+sha256, quoted) and `X-Linked-Size`; the CDN path serves bytes with HTTP ranges, capped per
+connection so that multi-connection pulls matter, and can reset a connection mid-file on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from fleet.localcloud import tinymodels
+from fleet.localcloud.faults import Faults
+
+TINY_REPO = "fleet-local/tiny-models"
+CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HubFile:
+    path: Path
+    sha256: str
+    size: int
+
+
+class Hub:
+    def __init__(self, root: Path, bytes_per_s: int, faults: Callable[[], Faults]) -> None:
+        self.root = root
+        self.bytes_per_s = bytes_per_s
+        self._faults = faults  # () -> Faults, so admin changes apply at once
+        self._by_repo: dict[tuple[str, str], HubFile] = {}
+        self._by_sha: dict[str, HubFile] = {}
+
+    def publish_tiny_models(self) -> None:
+        directory = self.root / TINY_REPO
+        for path in tinymodels.ensure(directory).values():
+            self.add(TINY_REPO, path)
+
+    def add(self, repo: str, path: Path) -> HubFile:
+        entry = HubFile(path, tinymodels.sha256_of(path), path.stat().st_size)
+        self._by_repo[(repo, path.name)] = entry
+        self._by_sha[entry.sha256] = entry
+        return entry
+
+    def lookup(self, repo: str, filename: str) -> HubFile | None:
+        return self._by_repo.get((repo, filename))
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.route("*", "/cdn/{sha}/{file}", self.serve),
+            web.route("*", "/{owner}/{repo}/resolve/{rev}/{file:.+}", self.resolve),
+        ]
+
+    async def resolve(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        entry = self.lookup(repo, request.match_info["file"])
+        if entry is None:
+            return web.json_response({"error": "Entry not found"}, status=404,
+                                     headers={"X-Error-Code": "EntryNotFound"})
+        return web.Response(
+            status=302,
+            headers={
+                "Location": f"/cdn/{entry.sha256}/{entry.path.name}",
+                "X-Linked-Etag": f'"{entry.sha256}"',
+                "X-Linked-Size": str(entry.size),
+                "ETag": f'"{entry.sha256}"',
+                "X-Repo-Commit": "0" * 40,
+            },
+        )
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        entry = self._by_sha.get(request.match_info["sha"])
+        if entry is None:
+            raise web.HTTPNotFound()
+        start, end = 0, entry.size - 1
+        status = 200
+        if request.http_range.start is not None or request.http_range.stop is not None:
+            try:
+                rng = request.http_range
+            except ValueError:
+                raise web.HTTPRequestRangeNotSatisfiable() from None
+            start = rng.start or 0
+            if start < 0:
+                start = max(entry.size + start, 0)
+            end = (rng.stop - 1) if rng.stop is not None else entry.size - 1
+            end = min(end, entry.size - 1)
+            if start > end:
+                raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{entry.size}"})
+            status = 206
+        length = end - start + 1
+        response = web.StreamResponse(status=status, headers={
+            "Accept-Ranges": "bytes",
+            "ETag": f'"{entry.sha256}"',
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(length),
+        })
+        if status == 206:
+            response.headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
+        await response.prepare(request)
+        if request.method == "HEAD":
+            return response
+
+        reset = self._faults().pull_reset
+        reset_after = None
+        if reset and reset.count > 0 and length > reset.after_bytes:
+            reset.count -= 1
+            reset_after = reset.after_bytes
+        sent = 0
+        began = time.monotonic()
+        with entry.path.open("rb") as f:
+            f.seek(start)
+            while sent < length:
+                block = f.read(min(CHUNK, length - sent))
+                if reset_after is not None and sent + len(block) > reset_after:
+                    await response.write(block[: reset_after - sent])
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                await response.write(block)
+                sent += len(block)
+                ahead = sent / self.bytes_per_s - (time.monotonic() - began)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        await response.write_eof()
+        return response
+

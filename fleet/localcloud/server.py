@@ -1,0 +1,74 @@
+"""The local cloud's server process: `python -m fleet.localcloud.server --state-dir DIR`.
+
+It writes `server.json` (url, pid) into the state directory once it listens, and on SIGTERM
+stops every host's processes before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from fleet.localcloud import toolchain
+from fleet.localcloud.api import build_app
+from fleet.localcloud.cloud import Cloud, CloudSettings, _write_json_atomic
+from fleet.localcloud.hub import Hub
+
+DEFAULT_OFFERS_DIR = toolchain.REPO_ROOT / "offers"
+
+
+async def serve(settings: CloudSettings, host: str, port: int) -> None:
+    cloud = Cloud(settings)
+    hub = Hub(settings.state_dir / "hub", settings.hub_bytes_per_s, lambda: cloud.faults)
+    await asyncio.to_thread(hub.publish_tiny_models)
+    runner = web.AppRunner(build_app(cloud, hub), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    await cloud.resume_hosts()
+    _write_json_atomic(settings.state_dir / "server.json",
+                       {"url": f"http://{host}:{bound}", "pid": os.getpid(), "port": bound})
+    logging.getLogger("fleet.localcloud").info("listening on http://%s:%s", host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await cloud.shutdown()
+    await runner.cleanup()
+    (settings.state_dir / "server.json").unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="the fleet local cloud server")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--offers-dir", type=Path, default=DEFAULT_OFFERS_DIR)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--provision-delay", type=float, default=0.5)
+    parser.add_argument("--loading-delay", type=float, default=1.0)
+    parser.add_argument("--hub-bytes-per-s", type=int, default=4 * 1024 * 1024)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = CloudSettings(
+        state_dir=args.state_dir,
+        offers_dir=args.offers_dir,
+        llama_server=toolchain.llama_server_path(),
+        provision_delay_s=args.provision_delay,
+        loading_delay_s=args.loading_delay,
+        hub_bytes_per_s=args.hub_bytes_per_s,
+    )
+    asyncio.run(serve(settings, args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

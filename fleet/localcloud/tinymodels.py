@@ -1,0 +1,221 @@
+"""Tiny random-weight GGUF models that the CPU llama-server serves in well under a second.
+
+Generated deterministically with the `gguf` package: the same name always gives the same bytes
+(and so the same sha256 the hub advertises). Three architectures, because the cache traps differ:
+- `tiny`: llama, plain attention (the default test model);
+- `tiny-swa`: gemma2 with a 16-token sliding window (SWA cache loss with --ctx-checkpoints 0);
+- `tiny-recurrent`: mamba, a recurrent state (same trap, other cause).
+All share a 356-token byte-level SPM vocabulary with a ChatML template. The output rows of the
+control and byte tokens are zero, so sampling mostly yields printable ASCII.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CONTROL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+N_EMBD = 64
+N_LAYER = 2
+N_HEAD = 4
+N_HEAD_KV = 2
+N_FF = 128
+N_CTX_TRAIN = 4096
+SWA_WINDOW = 16
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    name: str
+    arch: str
+    filename: str
+
+
+MODELS: dict[str, TinyModel] = {
+    "tiny": TinyModel("tiny", "llama", "tiny-llama-bytes.gguf"),
+    "tiny-swa": TinyModel("tiny-swa", "gemma2", "tiny-gemma2-swa16.gguf"),
+    "tiny-recurrent": TinyModel("tiny-recurrent", "mamba", "tiny-mamba.gguf"),
+}
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = list(CONTROL_TOKENS)
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * (len(CONTROL_TOKENS) - 1)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    for code in range(0x20, 0x7F):
+        tokens.append("\u2581" if code == 0x20 else chr(code))
+        types.append(gguf.TokenType.NORMAL)
+    scores = [0.0] * len(tokens)
+    return tokens, scores, [int(t) for t in types]
+
+
+def _add_vocab(writer: gguf.GGUFWriter) -> int:
+    tokens, scores, types = _vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_eot_token_id(4)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    return len(tokens)
+
+
+def _output_matrix(rng: np.random.Generator, n_vocab: int) -> np.ndarray:
+    out = rng.normal(0, 0.5, (n_vocab, N_EMBD)).astype(np.float32)
+    out[: len(CONTROL_TOKENS) + 256] = 0.0
+    return out
+
+
+def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
+    head_dim = N_EMBD // N_HEAD
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=False)
+    writer.add_tensor("output.weight", _output_matrix(rng, n_vocab))
+
+
+def _write_gemma2(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
+    head_dim = N_EMBD // N_HEAD
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(SWA_WINDOW)
+    writer.add_attn_logit_softcapping(50.0)
+    writer.add_final_logit_softcapping(30.0)
+    _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=True, embd=_output_matrix(rng, n_vocab))
+
+
+def _attention_tensors(
+    writer: gguf.GGUFWriter,
+    rng: np.random.Generator,
+    n_vocab: int,
+    head_dim: int,
+    post_norms: bool,
+    embd: np.ndarray | None = None,
+) -> None:
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", embd if embd is not None else mat(n_vocab, N_EMBD))
+    for i in range(N_LAYER):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", ones(N_EMBD))
+        writer.add_tensor(p + "attn_q.weight", mat(N_HEAD * head_dim, N_EMBD))
+        writer.add_tensor(p + "attn_k.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
+        writer.add_tensor(p + "attn_v.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
+        writer.add_tensor(p + "attn_output.weight", mat(N_EMBD, N_HEAD * head_dim))
+        if post_norms:
+            writer.add_tensor(p + "post_attention_norm.weight", ones(N_EMBD))
+        writer.add_tensor(p + "ffn_norm.weight", ones(N_EMBD))
+        writer.add_tensor(p + "ffn_gate.weight", mat(N_FF, N_EMBD))
+        writer.add_tensor(p + "ffn_up.weight", mat(N_FF, N_EMBD))
+        writer.add_tensor(p + "ffn_down.weight", mat(N_EMBD, N_FF))
+        if post_norms:
+            writer.add_tensor(p + "post_ffw_norm.weight", ones(N_EMBD))
+    writer.add_tensor("output_norm.weight", ones(N_EMBD))
+
+
+def _write_mamba(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
+    d_inner, d_state, d_conv, dt_rank = 2 * N_EMBD, 16, 4, 4
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD))
+    for i in range(N_LAYER):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(p + "ssm_in.weight", mat(2 * d_inner, N_EMBD))
+        writer.add_tensor(p + "ssm_conv1d.weight", mat(d_inner, d_conv))
+        writer.add_tensor(p + "ssm_conv1d.bias", np.zeros(d_inner, dtype=np.float32))
+        writer.add_tensor(p + "ssm_x.weight", mat(dt_rank + 2 * d_state, d_inner))
+        writer.add_tensor(p + "ssm_dt.weight", mat(d_inner, dt_rank))
+        writer.add_tensor(p + "ssm_dt.bias", np.zeros(d_inner, dtype=np.float32))
+        a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
+        writer.add_tensor(p + "ssm_a", a)
+        writer.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+        writer.add_tensor(p + "ssm_out.weight", mat(N_EMBD, d_inner))
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    writer.add_tensor("output.weight", _output_matrix(rng, n_vocab))
+
+
+_WRITERS = {"llama": _write_llama, "gemma2": _write_gemma2, "mamba": _write_mamba}
+
+
+def generate(name: str, path: Path, seed: int = 1234) -> Path:
+    """Write the tiny model `name` to `path` (atomically); the same name gives the same bytes."""
+    model = MODELS[name]
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), model.arch)
+    writer.add_name(model.name)
+    n_vocab = _add_vocab(writer)
+    _WRITERS[model.arch](writer, np.random.default_rng(seed), n_vocab)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path
+
+
+def ensure(directory: Path) -> dict[str, Path]:
+    """Generate every tiny model into `directory` unless already there; name -> path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, model in MODELS.items():
+        path = directory / model.filename
+        if not path.exists():
+            generate(name, path)
+        paths[name] = path
+    return paths
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
