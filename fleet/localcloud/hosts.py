@@ -173,9 +173,23 @@ class LocalHost:
         path = self.etc / "ssh_host_ed25519_key.pub"
         return path.read_text().strip() if path.exists() else None
 
+    def sshd_pid(self) -> int | None:
+        """The host's sshd, from its PID file, if that PID still runs this host's sshd config."""
+        try:
+            pid = int((self.directory / "sshd.pid").read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        return pid if str(self.etc / "sshd_config").encode() in cmdline else None
+
+    def processes(self) -> list[int]:
+        sshd = self.sshd_pid()
+        return procs.host_pids(self.token, [sshd] if sshd else [])
+
     def stop(self) -> int:
         """End every process of the host; return how many there were."""
-        return procs.end_host_processes(self.token)
+        sshd = self.sshd_pid()
+        return procs.end_host_processes(self.token, [sshd] if sshd else [])
 
     def remove(self) -> None:
         self.stop()

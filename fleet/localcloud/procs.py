@@ -1,9 +1,10 @@
-"""Finding and ending a local host's processes by the marker in their environment.
+"""Finding and ending a local host's processes: by the marker in their environment, and by descent.
 
-Every process of a local host (its sshd, every SSH session, whatever a session daemonises, the
-onstart script) inherits `FLEET_LOCALCLOUD_HOST=<token>`, a token unique to that host. Ending a
-host means signalling exactly those PIDs, never matching by process name: other work shares
-this machine.
+Every process of a local host (every SSH session, whatever a session daemonises, the onstart
+script) inherits `FLEET_LOCALCLOUD_HOST=<token>`, a token unique to that host. sshd rewrites its
+process title over its environment, so sshd and its per-connection children are found instead as
+descendants of the host's sshd PID. Ending a host means signalling exactly those PIDs, never
+matching by process name: other work shares this machine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,40 @@ def pids_with_marker(token: str) -> list[int]:
     return found
 
 
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """The roots that still exist, and every process below them."""
+    parents = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [r for r in roots if r in parents]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def host_pids(token: str, roots: list[int]) -> list[int]:
+    """Every process of a host: those with its marker, and the trees below its root PIDs."""
+    return sorted(set(pids_with_marker(token)) | set(descendants(roots)))
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -40,7 +75,7 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def end_host_processes(token: str, grace_s: float = 3.0) -> int:
+def end_host_processes(token: str, roots: list[int], grace_s: float = 3.0) -> int:
     """SIGTERM (then SIGKILL after `grace_s`) every process of the host; return how many were found.
 
     Repeats until none is left, since a dying session can still fork.
@@ -48,7 +83,7 @@ def end_host_processes(token: str, grace_s: float = 3.0) -> int:
     total: set[int] = set()
     deadline = time.monotonic() + grace_s
     while True:
-        pids = [p for p in pids_with_marker(token) if p != os.getpid()]
+        pids = [p for p in host_pids(token, roots) if p != os.getpid()]
         if not pids:
             return len(total)
         total.update(pids)
