@@ -7,9 +7,10 @@ else). Search and gpu names are public, as on vast.ai; the rest needs `Authoriza
 from __future__ import annotations
 
 import json
-import secrets
 import logging
-from typing import Any, Awaitable, Callable
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -366,7 +366,7 @@ class Cloud:
         except query.QueryError as e:
             raise ApiError(400, "invalid_args", f"Invalid args: {e}") from None
         order = [(o.get("col", "id"), o.get("dir") == "desc") for o in order_by if isinstance(o, dict)]
-        rows = query.sort_rows(rows, order + [("id", False)])
+        rows = query.sort_rows(rows, [*order, ("id", False)])
         if after_id is not None:
             index = next((n for n, r in enumerate(rows) if r["id"] == after_id), None)
             rows = rows[index + 1:] if index is not None else []

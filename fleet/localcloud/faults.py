@@ -54,7 +54,7 @@ class Faults:
     decode_sag: dict[int, DecodeSag] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Faults":
+    def from_dict(cls, data: dict[str, Any]) -> Faults:
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:

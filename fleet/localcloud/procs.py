@@ -9,6 +9,7 @@ matching by process name: other work shares this machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -69,10 +70,8 @@ def host_pids(token: str, roots: list[int]) -> list[int]:
 
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def end_host_processes(token: str, roots: list[int], grace_s: float = 3.0) -> int:

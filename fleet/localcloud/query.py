@@ -8,7 +8,8 @@ like "Sweden, SE". Anything malformed raises `QueryError`, which the API turns i
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 OPERATORS = ("eq", "neq", "gt", "gte", "lt", "lte", "in", "notin")
 

@@ -1,0 +1,107 @@
+"""Shared fixtures: a real local cloud (server process, sshd hosts, hub) in a temporary directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fleet.localcloud import control, procs, toolchain
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    path = toolchain.llama_server_path()
+    if path is None:
+        pytest.fail("llama-server is not built: run scripts/build-llama-server (scripts/test does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def ssh_keypair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    directory = tmp_path_factory.mktemp("ssh")
+    key = directory / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fleet-test", "-f", str(key)],
+                   check=True)
+    return key, (directory / "id_ed25519.pub").read_text().strip()
+
+
+class CloudHandle:
+    def __init__(self, info: control.CloudInfo) -> None:
+        self.info = info
+        self.url = info.url
+        self.key = info.api_key()
+        self.headers = {"Authorization": f"Bearer {self.key}"}
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=30.0)
+
+    def set_faults(self, faults: dict) -> None:
+        httpx.put(f"{self.url}/admin/faults", json=faults, headers=self.headers, timeout=10).raise_for_status()
+
+    def state(self) -> dict:
+        import json
+
+        return json.loads((self.info.state_dir / "state.json").read_text())
+
+    def host_tokens(self) -> list[str]:
+        return [i["token"] for i in self.state()["instances"].values()]
+
+
+def _start(state_dir: Path, **kw: object) -> CloudHandle:
+    info = control.start(state_dir, provision_delay_s=0.1, loading_delay_s=0.2, **kw)
+    return CloudHandle(info)
+
+
+def _stop_and_check(handle: CloudHandle) -> None:
+    tokens = handle.host_tokens()
+    control.stop(handle.info.state_dir)
+    leftovers = {t: procs.pids_with_marker(t) for t in tokens}
+    assert not any(leftovers.values()), f"host processes left running: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory: pytest.TempPathFactory, llama_server: Path) -> Iterator[CloudHandle]:
+    """A local cloud for one test module; stopped (and checked for leftovers) afterwards."""
+    handle = _start(tmp_path_factory.mktemp("localcloud"))
+    try:
+        yield handle
+    finally:
+        _stop_and_check(handle)
+
+
+@pytest.fixture
+def fresh_cloud(tmp_path: Path, llama_server: Path) -> Iterator[CloudHandle]:
+    handle = _start(tmp_path / "localcloud")
+    try:
+        yield handle
+    finally:
+        _stop_and_check(handle)
+
+
+@pytest.fixture
+async def api(cloud: CloudHandle) -> AsyncIterator[httpx.AsyncClient]:
+    async with cloud.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def vastai_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("vastai-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VAST")}
+    env.update(XDG_CONFIG_HOME=str(home / "config"), XDG_CACHE_HOME=str(home / "cache"),
+               VASTAI_NO_UPDATE_CHECK="1", HOME=str(home))
+    return env
+
+
+@pytest.fixture(scope="session")
+def vastai_bin() -> str:
+    path = shutil.which("vastai", path=str(Path(os.sys.executable).parent)) or shutil.which("vastai")
+    if path is None:
+        pytest.fail("the vastai CLI is not installed (pip install 'vastai==1.9.1')")
+    return path

@@ -1,0 +1,51 @@
+"""Small async helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+TINY_REPO = "fleet-local/tiny-models"
+
+
+async def rent(api: httpx.AsyncClient, offer_id: int, **body: Any) -> int:
+    payload = {"client_id": "me", "image": "fleet/llama-server:test", "disk": 20,
+               "env": {"-p 70000:70000": "1"}, "label": "fleet:test", **body}
+    r = await api.put(f"/api/v0/asks/{offer_id}/", json=payload)
+    assert r.status_code == 200, r.text
+    return r.json()["new_contract"]
+
+
+async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, Any]:
+    body = {"rentable": {"eq": True}, "rented": {"eq": False}, "order": [["dph_total", "asc"]], **filters}
+    r = await api.post("/api/v0/bundles/", json=body)
+    r.raise_for_status()
+    offers = r.json()["offers"]
+    assert offers, "no offer left to rent"
+    return offers[0]
+
+
+async def wait_status(api: httpx.AsyncClient, instance_id: int, wanted: str | None,
+                      timeout_s: float = 20.0) -> dict[str, Any] | None:
+    """Poll show-instance until actual_status == wanted (None: until the instance is gone)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        r = await api.get(f"/api/v0/instances/{instance_id}/")
+        r.raise_for_status()
+        last = r.json()["instances"]
+        if wanted is None and last is None:
+            return None
+        if last is not None and last["actual_status"] == wanted:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"instance {instance_id} never reached {wanted!r}; last: "
+                         f"{last and last['actual_status']}")
+
+
+async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:
+    r = await api.delete(f"/api/v0/instances/{instance_id}/")
+    assert r.status_code in (200, 404), r.text

@@ -1,0 +1,106 @@
+"""A rented local host is a real machine: sshd with the account key, the image's host scripts,
+aria2c pulling from the hub, llama-server answering; destroy leaves nothing running."""
+
+import asyncio
+import secrets
+import shlex
+from pathlib import Path
+
+import asyncssh
+import httpx
+import pytest
+
+from fleet.localcloud import procs
+from tests.helpers import TINY_REPO, cheapest_offer, destroy, rent, wait_status
+
+
+async def hub_file(cloud, filename: str) -> tuple[str, str, int]:
+    """(url, sha256, size) as a client learns them from the hub's first answer."""
+    url = f"{cloud.url}/{TINY_REPO}/resolve/main/{filename}"
+    async with httpx.AsyncClient() as client:
+        r = await client.head(url)
+    assert r.status_code == 302
+    return url, r.headers["X-Linked-Etag"].strip('"'), int(r.headers["X-Linked-Size"])
+
+
+@pytest.fixture
+async def host(cloud, api, ssh_keypair):
+    await api.post("/api/v0/ssh/", json={"ssh_key": ssh_keypair[1]})
+    offer = await cheapest_offer(api)
+    instance_id = await rent(api, offer["id"], onstart="echo booted > onstart.txt; sleep 600 &")
+    row = await wait_status(api, instance_id, "running")
+    token = cloud.state()["instances"][str(instance_id)]["token"]
+    yield {"id": instance_id, "row": row, "token": token}
+    await destroy(api, instance_id)
+
+
+async def connect(row, key_path: Path) -> asyncssh.SSHClientConnection:
+    return await asyncssh.connect("127.0.0.1", port=row["ssh_port"], username="root",
+                                  client_keys=[str(key_path)], known_hosts=None)
+
+
+async def test_host_runs_sshd_with_the_account_key_and_the_container_env(cloud, host, ssh_keypair):
+    async with await connect(host["row"], ssh_keypair[0]) as conn:
+        presented = conn.get_server_host_key().export_public_key().decode().split()[1]
+        on_disk = (cloud.info.state_dir / "hosts" / str(host["id"]) / "etc/ssh_host_ed25519_key.pub").read_text()
+        assert presented == on_disk.split()[1]  # host key made at first start, by the image's script
+        r = await conn.run("echo $VAST_TCP_PORT_70000; which llama-server aria2c fleet-pull fleet-serve; "
+                           "cat onstart.txt", check=True)
+    lines = r.stdout.split()
+    assert lines[0] == host["row"]["ports"]["70000/tcp"][0]["HostPort"]
+    assert [Path(p).name for p in lines[1:5]] == ["llama-server", "aria2c", "fleet-pull", "fleet-serve"]
+    assert lines[5] == "booted"
+
+
+async def test_host_refuses_an_unknown_key(host, tmp_path):
+    other = asyncssh.generate_private_key("ssh-ed25519")
+    other.write_private_key(str(tmp_path / "other"))
+    with pytest.raises(asyncssh.PermissionDenied):
+        await connect(host["row"], tmp_path / "other")
+
+
+async def test_pull_serve_and_chat_then_destroy_leaves_nothing(cloud, api, host, ssh_keypair):
+    url, sha, size = await hub_file(cloud, "tiny-llama-bytes.gguf")
+    port = host["row"]["ports"]["70000/tcp"][0]["HostPort"]
+    api_key = secrets.token_hex(16)
+    async with await connect(host["row"], ssh_keypair[0]) as conn:
+        pulled = await conn.run(shlex.join(["fleet-pull", url, sha, "models/tiny.gguf", "4"]))
+        assert pulled.exit_status == 0, pulled.stderr
+        assert pulled.stdout.strip().splitlines()[-1] == f"ok {sha} {size}"
+        served = await conn.run(shlex.join(["fleet-serve", "run", "--", "-m", "models/tiny.gguf", "--port", port,
+                                            "-np", "1", "-c", "2048", "-t", "1", "-a", "tiny"]), input=api_key + "\n")
+        assert served.exit_status == 0, served.stderr
+        ps = await conn.run("ps -eo args", check=True)
+        assert api_key not in ps.stdout  # the key is in a file, never on a command line
+
+    base = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        for _ in range(100):
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+        r = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"]
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
+
+    assert len(procs.pids_with_marker(host["token"])) >= 2  # at least the onstart sleep and llama-server
+    await destroy(api, host["id"])
+    assert procs.pids_with_marker(host["token"]) == []
+    assert not (cloud.info.state_dir / "hosts" / str(host["id"])).exists()
+    with pytest.raises(httpx.TransportError):
+        async with httpx.AsyncClient(timeout=2) as client:
+            await client.get(f"{base}/health")
+
+
+async def test_fleet_pull_rejects_a_wrong_checksum(cloud, host, ssh_keypair):
+    url, _sha, _ = await hub_file(cloud, "tiny-llama-bytes.gguf")
+    async with await connect(host["row"], ssh_keypair[0]) as conn:
+        r = await conn.run(shlex.join(["fleet-pull", url, "0" * 64, "models/bad.gguf"]))
+        assert r.exit_status == 3
+        assert "sha256 mismatch" in r.stderr
+        assert (await conn.run("test -e models/bad.gguf")).exit_status == 1
