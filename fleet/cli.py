@@ -25,8 +25,10 @@ err = Console(stderr=True)
 
 StateDir = Annotated[
     Path | None,
-    typer.Option("--state-dir", help="The local cloud's state directory (default: $FLEET_LOCALCLOUD_DIR or "
-                 "~/.local/state/fleet/localcloud)."),
+    typer.Option(
+        "--state-dir",
+        help="The local cloud's state directory (default: $FLEET_LOCALCLOUD_DIR or ~/.local/state/fleet/localcloud).",
+    ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 

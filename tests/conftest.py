@@ -26,8 +26,7 @@ def llama_server() -> Path:
 def ssh_keypair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     directory = tmp_path_factory.mktemp("ssh")
     key = directory / "id_ed25519"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fleet-test", "-f", str(key)],
-                   check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fleet-test", "-f", str(key)], check=True)
     return key, (directory / "id_ed25519.pub").read_text().strip()
 
 
@@ -94,8 +93,12 @@ async def api(cloud: CloudHandle) -> AsyncIterator[httpx.AsyncClient]:
 def vastai_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("vastai-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VAST")}
-    env.update(XDG_CONFIG_HOME=str(home / "config"), XDG_CACHE_HOME=str(home / "cache"),
-               VASTAI_NO_UPDATE_CHECK="1", HOME=str(home))
+    env.update(
+        XDG_CONFIG_HOME=str(home / "config"),
+        XDG_CACHE_HOME=str(home / "cache"),
+        VASTAI_NO_UPDATE_CHECK="1",
+        HOME=str(home),
+    )
     return env
 
 

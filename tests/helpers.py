@@ -12,8 +12,14 @@ TINY_REPO = "fleet-local/tiny-models"
 
 
 async def rent(api: httpx.AsyncClient, offer_id: int, **body: Any) -> int:
-    payload = {"client_id": "me", "image": "fleet/llama-server:test", "disk": 20,
-               "env": {"-p 70000:70000": "1"}, "label": "fleet:test", **body}
+    payload = {
+        "client_id": "me",
+        "image": "fleet/llama-server:test",
+        "disk": 20,
+        "env": {"-p 70000:70000": "1"},
+        "label": "fleet:test",
+        **body,
+    }
     r = await api.put(f"/api/v0/asks/{offer_id}/", json=payload)
     assert r.status_code == 200, r.text
     return r.json()["new_contract"]
@@ -28,8 +34,9 @@ async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, An
     return offers[0]
 
 
-async def wait_status(api: httpx.AsyncClient, instance_id: int, wanted: str | None,
-                      timeout_s: float = 20.0) -> dict[str, Any] | None:
+async def wait_status(
+    api: httpx.AsyncClient, instance_id: int, wanted: str | None, timeout_s: float = 20.0
+) -> dict[str, Any] | None:
     """Poll show-instance until actual_status == wanted (None: until the instance is gone)."""
     deadline = time.monotonic() + timeout_s
     last = None
@@ -42,8 +49,7 @@ async def wait_status(api: httpx.AsyncClient, instance_id: int, wanted: str | No
         if last is not None and last["actual_status"] == wanted:
             return last
         await asyncio.sleep(0.1)
-    raise AssertionError(f"instance {instance_id} never reached {wanted!r}; last: "
-                         f"{last and last['actual_status']}")
+    raise AssertionError(f"instance {instance_id} never reached {wanted!r}; last: {last and last['actual_status']}")
 
 
 async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:

@@ -7,10 +7,17 @@ import httpx
 from tests.helpers import cheapest_offer, destroy, rent, wait_status
 
 EU_QUERY = {
-    "verified": {"eq": True}, "external": {"eq": False}, "rentable": {"eq": True},
-    "reliability": {"gt": "0.98"}, "geolocation": {"in": ["SE", "DE", "NL", "PL", "CZ"]},
-    "cuda_max_good": {"gte": "12.8"}, "direct_port_count": {"gte": "2"}, "inet_down_cost": {"lte": "0.05"},
-    "order": [["dph_total", "asc"]], "type": "on-demand", "allocated_storage": 5.0,
+    "verified": {"eq": True},
+    "external": {"eq": False},
+    "rentable": {"eq": True},
+    "reliability": {"gt": "0.98"},
+    "geolocation": {"in": ["SE", "DE", "NL", "PL", "CZ"]},
+    "cuda_max_good": {"gte": "12.8"},
+    "direct_port_count": {"gte": "2"},
+    "inet_down_cost": {"lte": "0.05"},
+    "order": [["dph_total", "asc"]],
+    "type": "on-demand",
+    "allocated_storage": 5.0,
 }
 
 
@@ -30,8 +37,9 @@ async def test_search_answers_exact_json_content_type_and_filters(api: httpx.Asy
 
 async def test_search_is_public_and_accepts_reliability2_and_ondemand(cloud):
     async with httpx.AsyncClient(base_url=cloud.url) as anonymous:
-        r = await anonymous.post("/api/v0/bundles/",
-                                 json={"reliability2": {"gte": 0.99}, "type": "ondemand", "limit": 5})
+        r = await anonymous.post(
+            "/api/v0/bundles/", json={"reliability2": {"gte": 0.99}, "type": "ondemand", "limit": 5}
+        )
     assert r.status_code == 200
     offers = r.json()["offers"]
     assert 0 < len(offers) <= 5 and all(o["reliability2"] >= 0.99 for o in offers)
@@ -90,10 +98,16 @@ async def test_unknown_instance_shows_null_and_destroy_says_no_such_instance(api
 
 
 async def test_instance_lifecycle_list_label_billing_and_offer_hiding(api: httpx.AsyncClient):
-    two_gpu = (await api.post("/api/v0/bundles/", json={"num_gpus": {"eq": 2}, "gpu_name": {"eq": "RTX 4090"}}))
+    two_gpu = await api.post("/api/v0/bundles/", json={"num_gpus": {"eq": 2}, "gpu_name": {"eq": "RTX 4090"}})
     machine = two_gpu.json()["offers"][0]
-    siblings = {o["id"] for o in (await api.post("/api/v0/bundles/", json={
-        "machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}})).json()["offers"]}
+    siblings = {
+        o["id"]
+        for o in (
+            await api.post(
+                "/api/v0/bundles/", json={"machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}}
+            )
+        ).json()["offers"]
+    }
     assert len(siblings) == 3  # the 2-GPU offer and each GPU alone
     single = next(i for i in siblings if i != machine["id"])
 
@@ -108,36 +122,57 @@ async def test_instance_lifecycle_list_label_billing_and_offer_hiding(api: httpx
     assert int(row["ports"]["22/tcp"][0]["HostPort"]) == row["ssh_port"]
     assert row["machine_id"] == machine["machine_id"]
 
-    left = {o["id"] for o in (await api.post("/api/v0/bundles/", json={
-        "machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}})).json()["offers"]}
+    left = {
+        o["id"]
+        for o in (
+            await api.post(
+                "/api/v0/bundles/", json={"machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}}
+            )
+        ).json()["offers"]
+    }
     assert left == siblings - {single, machine["id"]}  # the 2-GPU offer shares the rented GPU
     again = await api.put(f"/api/v0/asks/{machine['id']}/", json={"image": "x", "disk": 20})
     assert again.status_code == 410 and again.json()["error"] == "no_such_ask"
 
     r = await api.put(f"/api/v0/instances/{instance_id}/", json={"label": "fleet:renamed"})
     assert r.json()["success"] is True
-    listing = (await api.get("/api/v1/instances/", params={
-        "select_filters": json.dumps({"label": {"eq": "fleet:renamed"}}), "limit": "25"})).json()
+    listing = (
+        await api.get(
+            "/api/v1/instances/",
+            params={"select_filters": json.dumps({"label": {"eq": "fleet:renamed"}}), "limit": "25"},
+        )
+    ).json()
     assert [i["id"] for i in listing["instances"]] == [instance_id]
     assert listing["next_token"] is None
 
     credit_before = (await api.get("/api/v0/users/current")).json()["credit"]
-    charges = (await api.get("/api/v0/charges/", params={
-        "select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}, "type": {"in": ["instance"]}})})).json()
+    charges = (
+        await api.get(
+            "/api/v0/charges/",
+            params={"select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}, "type": {"in": ["instance"]}})},
+        )
+    ).json()
     mine = [c for c in charges["results"] if c["source"] == f"instance-{instance_id}"]
     assert mine and mine[0]["amount"] > 0 and mine[0]["metadata"]["ongoing"] is True
 
     await destroy(api, instance_id)
     assert (await api.get(f"/api/v0/instances/{instance_id}/")).json() == {"instances": None}
-    charges = (await api.get("/api/v0/charges/", params={
-        "select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}})})).json()
+    charges = (
+        await api.get("/api/v0/charges/", params={"select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}})})
+    ).json()
     closed = next(c for c in charges["results"] if c["source"] == f"instance-{instance_id}")
     assert closed["metadata"]["ongoing"] is False
     credit_after = (await api.get("/api/v0/users/current")).json()["credit"]
     later = (await api.get("/api/v0/users/current")).json()["credit"]
     assert credit_after <= credit_before and later == credit_after  # billing stopped at destroy
-    back = {o["id"] for o in (await api.post("/api/v0/bundles/", json={
-        "machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}})).json()["offers"]}
+    back = {
+        o["id"]
+        for o in (
+            await api.post(
+                "/api/v0/bundles/", json={"machine_id": {"eq": machine["machine_id"]}, "rented": {"eq": False}}
+            )
+        ).json()["offers"]
+    }
     assert back == siblings
 
 
@@ -147,15 +182,29 @@ async def test_list_pages_by_25_with_next_token(api: httpx.AsyncClient):
         for _ in range(3):
             offer = await cheapest_offer(api)
             ids.append(await rent(api, offer["id"], label="fleet:page", onstart=None))
-        page1 = (await api.get("/api/v1/instances/", params={
-            "select_filters": json.dumps({"label": {"eq": "fleet:page"}}), "limit": "2"})).json()
+        page1 = (
+            await api.get(
+                "/api/v1/instances/",
+                params={"select_filters": json.dumps({"label": {"eq": "fleet:page"}}), "limit": "2"},
+            )
+        ).json()
         assert [i["id"] for i in page1["instances"]] == ids[:2] and page1["next_token"]
-        page2 = (await api.get("/api/v1/instances/", params={
-            "select_filters": json.dumps({"label": {"eq": "fleet:page"}}), "limit": "2",
-            "after_token": page1["next_token"]})).json()
+        page2 = (
+            await api.get(
+                "/api/v1/instances/",
+                params={
+                    "select_filters": json.dumps({"label": {"eq": "fleet:page"}}),
+                    "limit": "2",
+                    "after_token": page1["next_token"],
+                },
+            )
+        ).json()
         assert [i["id"] for i in page2["instances"]] == ids[2:] and page2["next_token"] is None
-        status = (await api.get("/api/v1/instances/", params={
-            "select_filters": json.dumps({"actual_status": {"in": ["exited"]}})})).json()
+        status = (
+            await api.get(
+                "/api/v1/instances/", params={"select_filters": json.dumps({"actual_status": {"in": ["exited"]}})}
+            )
+        ).json()
         assert status["instances"] == []
     finally:
         for i in ids:

@@ -35,8 +35,9 @@ async def host(cloud, api, ssh_keypair):
 
 
 async def connect(row, key_path: Path) -> asyncssh.SSHClientConnection:
-    return await asyncssh.connect("127.0.0.1", port=row["ssh_port"], username="root",
-                                  client_keys=[str(key_path)], known_hosts=None)
+    return await asyncssh.connect(
+        "127.0.0.1", port=row["ssh_port"], username="root", client_keys=[str(key_path)], known_hosts=None
+    )
 
 
 async def test_host_runs_sshd_with_the_account_key_and_the_container_env(cloud, host, ssh_keypair):
@@ -44,8 +45,9 @@ async def test_host_runs_sshd_with_the_account_key_and_the_container_env(cloud, 
         presented = conn.get_server_host_key().export_public_key().decode().split()[1]
         on_disk = (cloud.info.state_dir / "hosts" / str(host["id"]) / "etc/ssh_host_ed25519_key.pub").read_text()
         assert presented == on_disk.split()[1]  # host key made at first start, by the image's script
-        r = await conn.run("echo $VAST_TCP_PORT_70000; which llama-server aria2c fleet-pull fleet-serve; "
-                           "cat onstart.txt", check=True)
+        r = await conn.run(
+            "echo $VAST_TCP_PORT_70000; which llama-server aria2c fleet-pull fleet-serve; cat onstart.txt", check=True
+        )
     lines = r.stdout.split()
     assert lines[0] == host["row"]["ports"]["70000/tcp"][0]["HostPort"]
     assert [Path(p).name for p in lines[1:5]] == ["llama-server", "aria2c", "fleet-pull", "fleet-serve"]
@@ -67,8 +69,28 @@ async def test_pull_serve_and_chat_then_destroy_leaves_nothing(cloud, api, host,
         pulled = await conn.run(shlex.join(["fleet-pull", url, sha, "models/tiny.gguf", "4"]))
         assert pulled.exit_status == 0, pulled.stderr
         assert pulled.stdout.strip().splitlines()[-1] == f"ok {sha} {size}"
-        served = await conn.run(shlex.join(["fleet-serve", "run", "--", "-m", "models/tiny.gguf", "--port", port,
-                                            "-np", "1", "-c", "2048", "-t", "1", "-a", "tiny"]), input=api_key + "\n")
+        served = await conn.run(
+            shlex.join(
+                [
+                    "fleet-serve",
+                    "run",
+                    "--",
+                    "-m",
+                    "models/tiny.gguf",
+                    "--port",
+                    port,
+                    "-np",
+                    "1",
+                    "-c",
+                    "2048",
+                    "-t",
+                    "1",
+                    "-a",
+                    "tiny",
+                ]
+            ),
+            input=api_key + "\n",
+        )
         assert served.exit_status == 0, served.stderr
         ps = await conn.run("ps -eo args", check=True)
         assert api_key not in ps.stdout  # the key is in a file, never on a command line

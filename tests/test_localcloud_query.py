@@ -6,10 +6,25 @@ from fleet.localcloud import catalog, query
 
 
 def offer(**kw):
-    base = {"id": 1, "machine_id": 10, "gpu_ids": [100], "gpu_name": "RTX 3090", "num_gpus": 1,
-            "reliability": 0.99, "reliability2": 0.99, "cuda_max_good": 12.8, "geolocation": "Sweden, SE",
-            "direct_port_count": 4, "inet_down_cost": 0.01, "verification": "verified", "external": None,
-            "rentable": True, "dph_base": 0.2, "storage_cost": 0.144, "score": 10.0}
+    base = {
+        "id": 1,
+        "machine_id": 10,
+        "gpu_ids": [100],
+        "gpu_name": "RTX 3090",
+        "num_gpus": 1,
+        "reliability": 0.99,
+        "reliability2": 0.99,
+        "cuda_max_good": 12.8,
+        "geolocation": "Sweden, SE",
+        "direct_port_count": 4,
+        "inet_down_cost": 0.01,
+        "verification": "verified",
+        "external": None,
+        "rentable": True,
+        "dph_base": 0.2,
+        "storage_cost": 0.144,
+        "score": 10.0,
+    }
     return {**base, **kw}
 
 

@@ -9,19 +9,26 @@ from fleet.localcloud import procs
 
 def vastai(vastai_bin, env, cloud, *args: str) -> subprocess.CompletedProcess:
     run_env = {**env, "VAST_URL": cloud.url}
-    return subprocess.run([vastai_bin, "--url", cloud.url, "--api-key", cloud.key, *args],
-                          env=run_env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [vastai_bin, "--url", cloud.url, "--api-key", cloud.key, *args],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_vastai_cli_search_create_show_destroy(cloud, vastai_bin, vastai_env, ssh_keypair):
-    query = ("reliability > 0.98 cuda_vers >= 12.8 direct_port_count >= 2 inet_down_cost <= 0.05 "
-             "geolocation in [SE,DE,NL,PL,CZ,FI,FR,IT,ES,BE]")
+    query = (
+        "reliability > 0.98 cuda_vers >= 12.8 direct_port_count >= 2 inet_down_cost <= 0.05 "
+        "geolocation in [SE,DE,NL,PL,CZ,FI,FR,IT,ES,BE]"
+    )
     found = vastai(vastai_bin, vastai_env, cloud, "search", "offers", query, "-o", "dph", "--raw")
     assert found.returncode == 0, found.stderr
     offers = json.loads(found.stdout)
     assert offers, found.stderr
-    assert all(o["geolocation"][-2:] in {"SE", "DE", "NL", "PL", "CZ", "FI", "FR", "IT", "ES", "BE"}
-               for o in offers)
+    assert all(o["geolocation"][-2:] in {"SE", "DE", "NL", "PL", "CZ", "FI", "FR", "IT", "ES", "BE"} for o in offers)
     assert all(o["reliability"] > 0.98 and o["direct_port_count"] >= 2 for o in offers)
     assert [o["dph_total"] for o in offers] == sorted(o["dph_total"] for o in offers)
     # the offers that fail one filter each are not there
@@ -30,9 +37,25 @@ def test_vastai_cli_search_create_show_destroy(cloud, vastai_bin, vastai_env, ss
     key = vastai(vastai_bin, vastai_env, cloud, "create", "ssh-key", ssh_keypair[1])
     assert key.returncode == 0 and "success" in key.stdout, key.stderr
 
-    created = vastai(vastai_bin, vastai_env, cloud, "create", "instance", str(offers[0]["id"]),
-                     "--image", "fleet/llama-server:test", "--disk", "20", "--env", "-e MODE=test -p 70000:70000",
-                     "--label", "fleet:cli", "--ssh", "--direct", "--raw")
+    created = vastai(
+        vastai_bin,
+        vastai_env,
+        cloud,
+        "create",
+        "instance",
+        str(offers[0]["id"]),
+        "--image",
+        "fleet/llama-server:test",
+        "--disk",
+        "20",
+        "--env",
+        "-e MODE=test -p 70000:70000",
+        "--label",
+        "fleet:cli",
+        "--ssh",
+        "--direct",
+        "--raw",
+    )
     assert created.returncode == 0, created.stderr
     instance_id = json.loads(created.stdout)["new_contract"]
 

@@ -56,12 +56,14 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         try:
             if path.startswith("/api/"):
                 if cloud.dice.fire(cloud.faults.rate_limit, path):
-                    return web.Response(status=429, text="API requests too frequent endpoint threshold=4.5",
-                                        content_type="text/plain")
+                    return web.Response(
+                        status=429, text="API requests too frequent endpoint threshold=4.5", content_type="text/plain"
+                    )
                 if cloud.dice.fire(cloud.faults.server_error, path):
                     status = cloud.faults.server_error.status if cloud.faults.server_error else 503
-                    return web.Response(status=status, text="Service Temporarily Unavailable",
-                                        content_type="text/plain")
+                    return web.Response(
+                        status=status, text="Service Temporarily Unavailable", content_type="text/plain"
+                    )
             if api and not path.startswith(PUBLIC_PATHS):
                 _check_auth(request, cloud.api_key)
             return await handler(request)
@@ -70,8 +72,10 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         except web.HTTPException as e:
             if not api:
                 raise
-            return json_response({"success": False, "error": "not_found" if e.status == 404 else "invalid_args",
-                                  "msg": e.reason}, e.status)
+            return json_response(
+                {"success": False, "error": "not_found" if e.status == 404 else "invalid_args", "msg": e.reason},
+                e.status,
+            )
         except Exception:  # an emulator bug must still answer in vast.ai's shape, and be logged
             log.exception("unhandled error on %s %s", request.method, path)
             if not api:
@@ -105,8 +109,14 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response({"success": True, "msg": f"Instance {instance_id} destroyed."})
 
     async def legacy_list(request: web.Request) -> web.Response:
-        return json_response({"success": False, "error": "deprecated_endpoint",
-                              "msg": "/api/v0/instances/ is deprecated. Use /api/v1/instances/ instead."}, 410)
+        return json_response(
+            {
+                "success": False,
+                "error": "deprecated_endpoint",
+                "msg": "/api/v0/instances/ is deprecated. Use /api/v1/instances/ instead.",
+            },
+            410,
+        )
 
     async def user(request: web.Request) -> web.Response:
         return json_response(cloud.user())

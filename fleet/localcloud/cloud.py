@@ -208,15 +208,19 @@ class Cloud:
             raise ApiError(400, "invalid_args", "Invalid args: 'env' must be an object of strings", ask_id=offer_id)
         label = body.get("label")
         if label is not None and (not isinstance(label, str) or len(label) > 256):
-            raise ApiError(400, "invalid_args", "Invalid args: 'label' must be a string of at most 256 characters",
-                           ask_id=offer_id)
+            raise ApiError(
+                400, "invalid_args", "Invalid args: 'label' must be a string of at most 256 characters", ask_id=offer_id
+            )
         onstart = body.get("onstart")
         if onstart is not None and not isinstance(onstart, str):
             raise ApiError(400, "invalid_args", "Invalid args: 'onstart' must be a string", ask_id=offer_id)
 
-        gone = ApiError(404, "invalid_args",
-                        f"error 404/3603: no_such_ask Instance type by id {offer_id} is not available.",
-                        ask_id=offer_id)
+        gone = ApiError(
+            404,
+            "invalid_args",
+            f"error 404/3603: no_such_ask Instance type by id {offer_id} is not available.",
+            ask_id=offer_id,
+        )
         if offer_id in self.faults.vanish_at_create:
             self.faults.vanish_at_create.remove(offer_id)
             self.state.removed_offers.append(offer_id)
@@ -227,9 +231,12 @@ class Cloud:
             raise gone
         taken = self.taken_gpu_ids().get(int(offer["machine_id"]), set())
         if taken & set(offer.get("gpu_ids") or []) or not offer.get("rentable", True):
-            raise ApiError(410, "no_such_ask",
-                           f"error 410/3907: no_such_ask Instance type {offer_id} is no longer available.",
-                           ask_id=offer_id)
+            raise ApiError(
+                410,
+                "no_such_ask",
+                f"error 410/3907: no_such_ask Instance type {offer_id} is no longer available.",
+                ask_id=offer_id,
+            )
 
         ports: dict[str, int] = {}
         plain_env: dict[str, str] = {}
@@ -369,7 +376,7 @@ class Cloud:
         rows = query.sort_rows(rows, [*order, ("id", False)])
         if after_id is not None:
             index = next((n for n, r in enumerate(rows) if r["id"] == after_id), None)
-            rows = rows[index + 1:] if index is not None else []
+            rows = rows[index + 1 :] if index is not None else []
         page = rows[:limit]
         more = len(rows) > limit
         labels: dict[str, int] = {}
@@ -393,8 +400,11 @@ class Cloud:
         if "label" in body:
             label = body["label"]
             if not isinstance(label, str) or len(label) > 1024:
-                raise ApiError(400, "label_too_long" if isinstance(label, str) else "invalid_args",
-                               "label must be a string of at most 1024 characters")
+                raise ApiError(
+                    400,
+                    "label_too_long" if isinstance(label, str) else "invalid_args",
+                    "label must be a string of at most 1024 characters",
+                )
             inst.label = label
             for charge in self.state.charges:
                 if charge.instance_id == instance_id:
@@ -564,19 +574,25 @@ class Cloud:
             if end < float(day["gte"]) or c.start > float(day["lte"]):
                 continue
             hours = (end - c.start) / 3600.0
-            results.append({
-                "start": c.start,
-                "end": end,
-                "type": "instance",
-                "source": f"instance-{c.instance_id}",
-                "description": f"Instance {c.instance_id} Charges",
-                "amount": c.amount(now),
-                "metadata": {"label": c.label, "instance_id": c.instance_id, "ongoing": c.end is None},
-                "items": [{"type": "gpu", "description": f"{hours:.3f} hours at ${c.dph_total:.4f}/hour",
-                           "amount": c.amount(now)}],
-            })
-        return {"success": True, "count": len(results), "total": len(results), "next_token": None,
-                "results": results}
+            results.append(
+                {
+                    "start": c.start,
+                    "end": end,
+                    "type": "instance",
+                    "source": f"instance-{c.instance_id}",
+                    "description": f"Instance {c.instance_id} Charges",
+                    "amount": c.amount(now),
+                    "metadata": {"label": c.label, "instance_id": c.instance_id, "ongoing": c.end is None},
+                    "items": [
+                        {
+                            "type": "gpu",
+                            "description": f"{hours:.3f} hours at ${c.dph_total:.4f}/hour",
+                            "amount": c.amount(now),
+                        }
+                    ],
+                }
+            )
+        return {"success": True, "count": len(results), "total": len(results), "next_token": None, "results": results}
 
     def add_ssh_key(self, body: Any) -> dict[str, Any]:
         key = body.get("ssh_key") if isinstance(body, dict) else None

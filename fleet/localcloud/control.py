@@ -88,8 +88,9 @@ def start(
     if hub_bytes_per_s is not None:
         argv += ["--hub-bytes-per-s", str(hub_bytes_per_s)]
     with (state_dir / "server.log").open("ab") as log:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -137,10 +138,25 @@ def stop(state_dir: Path) -> bool:
 def status(state_dir: Path) -> dict[str, object]:
     info = find(state_dir)
     if info is None:
-        return {"running": False, "url": None, "api_key_file": str(state_dir / "api_key"),
-                "state_dir": str(state_dir), "instances": None}
-    response = httpx.get(f"{info.url}/api/v1/instances/", params={"limit": "1"},
-                         headers={"Authorization": f"Bearer {info.api_key()}"}, timeout=10.0)
+        return {
+            "running": False,
+            "url": None,
+            "api_key_file": str(state_dir / "api_key"),
+            "state_dir": str(state_dir),
+            "instances": None,
+        }
+    response = httpx.get(
+        f"{info.url}/api/v1/instances/",
+        params={"limit": "1"},
+        headers={"Authorization": f"Bearer {info.api_key()}"},
+        timeout=10.0,
+    )
     response.raise_for_status()
-    return {"running": True, "url": info.url, "pid": info.pid, "api_key_file": str(info.api_key_file),
-            "state_dir": str(state_dir), "instances": response.json()["total_instances"]}
+    return {
+        "running": True,
+        "url": info.url,
+        "pid": info.pid,
+        "api_key_file": str(info.api_key_file),
+        "state_dir": str(state_dir),
+        "instances": response.json()["total_instances"],
+    }

@@ -61,9 +61,7 @@ class Faults:
             raise ValueError(f"unknown fault(s): {', '.join(sorted(unknown))}")
         return cls(
             rate_limit=RequestFault(**data["rate_limit"]) if data.get("rate_limit") else None,
-            server_error=RequestFault(**{"status": 503, **data["server_error"]})
-            if data.get("server_error")
-            else None,
+            server_error=RequestFault(**{"status": 503, **data["server_error"]}) if data.get("server_error") else None,
             vanish_at_create=[int(x) for x in data.get("vanish_at_create", [])],
             stuck_loading=[int(x) for x in data.get("stuck_loading", [])],
             exit_after_s={int(k): float(v) for k, v in data.get("exit_after_s", {}).items()},

@@ -166,8 +166,7 @@ class LocalHost:
         path = self.directory / "onstart.sh"
         _write_private(path, script)
         env_file = shlex.quote(str(self.etc / "environment"))
-        return self._spawn(["/bin/sh", "-c", f". {env_file}; exec /bin/sh {shlex.quote(str(path))}"],
-                           "onstart.log", {})
+        return self._spawn(["/bin/sh", "-c", f". {env_file}; exec /bin/sh {shlex.quote(str(path))}"], "onstart.log", {})
 
     def host_public_key(self) -> str | None:
         path = self.etc / "ssh_host_ed25519_key.pub"

@@ -63,8 +63,9 @@ class Hub:
         repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
         entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
-            return web.json_response({"error": "Entry not found"}, status=404,
-                                     headers={"X-Error-Code": "EntryNotFound"})
+            return web.json_response(
+                {"error": "Entry not found"}, status=404, headers={"X-Error-Code": "EntryNotFound"}
+            )
         return web.Response(
             status=302,
             headers={
@@ -98,12 +99,15 @@ class Hub:
                 raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{entry.size}"})
             status = 206
         length = end - start + 1
-        response = web.StreamResponse(status=status, headers={
-            "Accept-Ranges": "bytes",
-            "ETag": f'"{entry.sha256}"',
-            "Content-Type": "application/octet-stream",
-            "Content-Length": str(length),
-        })
+        response = web.StreamResponse(
+            status=status,
+            headers={
+                "Accept-Ranges": "bytes",
+                "ETag": f'"{entry.sha256}"',
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(length),
+            },
+        )
         if status == 206:
             response.headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
         await response.prepare(request)
@@ -133,4 +137,3 @@ class Hub:
                     await asyncio.sleep(ahead)
         await response.write_eof()
         return response
-

@@ -44,7 +44,7 @@ def _parents() -> dict[int, int]:
         except OSError:
             continue
         # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         parents[int(entry.name)] = int(fields[1])
     return parents
 

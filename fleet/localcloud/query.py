@@ -30,8 +30,13 @@ CONTROL_KEYS = frozenset(
     }
 )
 
-OFFER_TYPES = {"on-demand": "on-demand", "ondemand": "on-demand", "bid": "bid",
-               "interruptible": "bid", "reserved": "reserved"}
+OFFER_TYPES = {
+    "on-demand": "on-demand",
+    "ondemand": "on-demand",
+    "bid": "bid",
+    "interruptible": "bid",
+    "reserved": "reserved",
+}
 
 DEFAULT_LIMIT = 64
 
@@ -99,7 +104,7 @@ def validate_filters(filters: dict[str, Any]) -> None:
     """Raise QueryError unless every filter is `{op: value}` with a known operator."""
     for field, condition in filters.items():
         if not isinstance(condition, dict) or not condition:
-            raise QueryError(f"filter for {field} must be an object like {{\"eq\": value}}")
+            raise QueryError(f'filter for {field} must be an object like {{"eq": value}}')
         for op in condition:
             if op not in OPERATORS:
                 raise QueryError(f"unknown operator {op!r} for {field}")

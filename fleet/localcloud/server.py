@@ -33,8 +33,9 @@ async def serve(settings: CloudSettings, host: str, port: int) -> None:
     await site.start()
     bound = runner.addresses[0][1]
     await cloud.resume_hosts()
-    _write_json_atomic(settings.state_dir / "server.json",
-                       {"url": f"http://{host}:{bound}", "pid": os.getpid(), "port": bound})
+    _write_json_atomic(
+        settings.state_dir / "server.json", {"url": f"http://{host}:{bound}", "pid": os.getpid(), "port": bound}
+    )
     logging.getLogger("fleet.localcloud").info("listening on http://%s:%s", host, bound)
 
     stop = asyncio.Event()
