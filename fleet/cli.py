@@ -83,3 +83,7 @@ def cloud_status(state_dir: StateDir = None, json_output: JsonFlag = False) -> N
     for key, value in status.items():
         table.add_row(key, str(value))
     out.print(table)
+
+
+if __name__ == "__main__":
+    app()

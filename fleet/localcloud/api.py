@@ -157,6 +157,9 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
             raise ApiError(400, "invalid_args", "Invalid args: expected an object of offer fields")
         return json_response(cloud.override_offer(_int_param(request, "id"), body))
 
+    async def health(request: web.Request) -> web.Response:
+        return json_response({"status": "ok"})
+
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)
         r.add_route(method, path.rstrip("/") if path.endswith("/") else path + "/", handler)
@@ -174,6 +177,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("POST", "/api/v0/ssh/", ssh_add)
     both("DELETE", "/api/v0/ssh/{id}/", ssh_delete)
     both("GET", "/api/v0/gpu_names/unique/", gpu_names)
+    r.add_get("/health", health)  # the local cloud's own liveness, outside the faulted API
     both("GET", "/admin/faults", admin_faults_get)
     both("PUT", "/admin/faults", admin_faults_put)
     both("PUT", "/admin/offers/{id}", admin_offer_put)

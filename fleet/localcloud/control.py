@@ -100,7 +100,7 @@ def start(
         info = find(state_dir)
         if info:
             try:
-                httpx.get(f"{info.url}/api/v0/gpu_names/unique/", timeout=2.0).raise_for_status()
+                httpx.get(f"{info.url}/health", timeout=2.0).raise_for_status()
                 return info
             except httpx.HTTPError:
                 pass

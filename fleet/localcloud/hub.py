@@ -130,10 +130,10 @@ class Hub:
                     if request.transport is not None:
                         request.transport.abort()
                     return response
-                await response.write(block)
-                sent += len(block)
-                ahead = sent / self.bytes_per_s - (time.monotonic() - began)
+                ahead = (sent + len(block)) / self.bytes_per_s - (time.monotonic() - began)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
+                await response.write(block)
+                sent += len(block)
         await response.write_eof()
         return response

