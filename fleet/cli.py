@@ -5,16 +5,25 @@ Exit codes: 0 ok, 1 failed, 2 bad input.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet import config
+from fleet.app import open_fleet
+from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
+from fleet.market import MarketError
+from fleet.offers import effective_price_per_hour
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
@@ -40,6 +49,325 @@ def fail(message: str, code: int = 1) -> None:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+ConfigPath = Annotated[
+    Path | None, typer.Option("--config", "-c", help="fleet.toml to use (default: $FLEET_CONFIG or ./fleet.toml).")
+]
+Model = Annotated[str, typer.Option("--model", "-m", help="Model profile from fleet.toml.")]
+Region = Annotated[str, typer.Option("--region", "-r", help="Region from fleet.toml, or a country code.")]
+T = TypeVar("T")
+
+
+def load_settings(path: Path | None) -> config.Settings:
+    try:
+        return config.load(path)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+        raise  # unreachable
+
+
+def run_async(make: Callable[[], Awaitable[T]]) -> T:
+    """Run one library call; map its errors to one-line messages and exit codes."""
+    try:
+        return asyncio.run(make())  # type: ignore[arg-type]
+    except config.ConfigError as e:
+        fail(str(e), 2)
+    except control.CloudControlError as e:
+        fail(f"local cloud: {e}")
+    except MarketError as e:
+        fail(f"marketplace: {e}")
+    raise AssertionError("unreachable")
+
+
+class ConsoleReporter:
+    """Progress for people, on stderr: one line per step, pull progress at most every few seconds."""
+
+    def __init__(self) -> None:
+        self._shown: dict[tuple[str, str], float] = {}
+
+    def info(self, host: str, message: str) -> None:
+        err.print(f"[bold]{host}[/bold] {message}", highlight=False)
+
+    def progress(self, host: str, what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._shown.get((host, what), 0.0) < 3.0:
+            return
+        self._shown[(host, what)] = now
+        pct = 100.0 * done / total if total else 100.0
+        err.print(f"[bold]{host}[/bold] pull {what}: {pct:5.1f}% of {total / 1e6:,.1f} MB", highlight=False)
+
+
+def offer_row(o: Any, profile: config.Profile) -> dict[str, Any]:
+    return {
+        "id": o.id,
+        "machine_id": o.machine_id,
+        "gpu_name": o.gpu_name,
+        "num_gpus": o.num_gpus,
+        "gpu_ram_gb": round(o.gpu_ram_mb / 1024, 1),
+        "geolocation": o.geolocation,
+        "reliability": o.reliability,
+        "cuda_max_good": o.cuda_max_good,
+        "disk_space_gb": o.disk_space_gb,
+        "direct_port_count": o.direct_port_count,
+        "inet_up_usd_per_gb": o.inet_up_usd_per_gb,
+        "inet_down_usd_per_gb": o.inet_down_usd_per_gb,
+        "dph_total": o.dph_total,
+        "effective_usd_per_hour": effective_price_per_hour(o, profile),
+    }
+
+
+@app.command("offers")
+def offers_cmd(
+    model: Model,
+    region: Region,
+    max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h to show.")] = None,
+    save: Annotated[bool, typer.Option("--save", help="Write the raw answer into offers/ as a snapshot.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """What the marketplace offers that fits: every filter re-checked, ranked by effective $/h."""
+    settings = load_settings(config_path)
+    try:
+        profile = settings.profile(model)
+        settings.region(region)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            return await fleet.offers(model, region, max_price)
+
+    funnel = run_async(go)
+    saved = None
+    if save:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        saved = Path("offers") / f"snapshot-{model}-{region}-{stamp}.json"
+        saved.parent.mkdir(exist_ok=True)
+        saved.write_text(json.dumps([o.raw for o in funnel.offers], indent=1, sort_keys=True) + "\n")
+    rows = [offer_row(o, profile) for o in funnel.passed]
+    if json_output:
+        print_json({"offers": rows, "funnel": funnel.as_dict(), "saved": str(saved) if saved else None})
+        return
+    table = Table(title=f"{model} in {region}: {len(rows)} of {funnel.seen} offers pass")
+    for column in ("offer", "machine", "GPU", "country", "reliab.", "$/h", "eff. $/h", "$/GB"):
+        table.add_column(column, no_wrap=True)
+    for r in rows:
+        table.add_row(
+            str(r["id"]),
+            str(r["machine_id"]),
+            f"{r['num_gpus']}x {r['gpu_name']}",
+            r["geolocation"][-2:],
+            f"{r['reliability']:.3f}",
+            f"{r['dph_total']:.4f}",
+            f"{r['effective_usd_per_hour']:.4f}",
+            f"{max(r['inet_up_usd_per_gb'], r['inet_down_usd_per_gb']):.3f}",
+        )
+    out.print(table)
+    out.print(f"funnel: {funnel.seen} offered", highlight=False)
+    for name, count in funnel.removed:
+        out.print(f"  - {count:4d} removed by {name}", highlight=False)
+    out.print(f"  = {len(rows)} pass", highlight=False)
+    if saved:
+        out.print(f"saved {len(funnel.offers)} raw offers to {saved}")
+
+
+@app.command("up")
+def up_cmd(
+    model: Model,
+    region: Region,
+    count: Annotated[int, typer.Option("--count", "-n", help="How many hosts to bring up.")] = 1,
+    max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h for one host.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show the offers that would be tried; rent nothing.")
+    ] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Rent the cheapest passing offers and leave llama-server serving on them, verified."""
+    settings = load_settings(config_path)
+    if count < 1:
+        fail("--count must be at least 1", 2)
+    if max_price is not None and max_price <= 0:
+        fail("--max-price must be positive", 2)
+    try:
+        profile = settings.profile(model)
+        settings.region(region)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            return await fleet.up(UpRequest(model, region, count, max_price, dry_run))
+
+    result = run_async(go)
+    attempts = [vars(a) for a in result.attempts]
+    if dry_run:
+        rows = [offer_row(o, profile) for o in result.planned]
+        if json_output:
+            print_json({"dry_run": True, "offers": rows})
+        else:
+            out.print(f"would try, in order ({len(rows)} offers):")
+            for r in rows:
+                out.print(
+                    f"  offer {r['id']} machine {r['machine_id']} {r['gpu_name']} {r['geolocation']} "
+                    f"${r['effective_usd_per_hour']:.4f}/h",
+                    highlight=False,
+                )
+        if not rows:
+            fail("no offer passes the filters (see `fleet offers`)")
+        return
+    if json_output:
+        print_json(
+            {
+                "run_id": result.run_id,
+                "ready": [h.name for h in result.ready],
+                "attempts": attempts,
+                "failures": result.failures,
+            }
+        )
+    else:
+        for a in result.attempts:
+            if a.outcome != "ready":
+                out.print(
+                    f"attempt {a.host}: offer {a.offer_id} (${a.dph_total:.4f}/h, ${a.inet_usd_per_gb:.3f}/GB) "
+                    f"failed in {a.phase}: {a.reason}",
+                    highlight=False,
+                )
+        for h in result.ready:
+            out.print(
+                f"[green]READY[/green] {h.name} {h.api_url} {h.gpu_name} {h.geolocation} ${h.dph_total:.4f}/h",
+                highlight=False,
+            )
+        for f in result.failures:
+            err.print(f"[red]not up:[/red] {f}", highlight=False)
+    if len(result.ready) < count:
+        raise typer.Exit(1)
+
+
+@app.command("status")
+def status_cmd(
+    all_hosts: Annotated[bool, typer.Option("--all", help="Include destroyed and failed hosts.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """The hosts fleet knows, with state, price and cost so far."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            return fleet.status(include_ended=all_hosts)
+
+    hosts = run_async(go)
+    if json_output:
+        print_json(hosts)
+        return
+    if not hosts:
+        out.print("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
+        return
+    table = Table()
+    for column in ("name", "state", "model", "region", "instance", "machine", "GPU", "$/h", "cost $", "endpoint"):
+        table.add_column(column)
+    for h in hosts:
+        table.add_row(
+            h["name"],
+            h["state"],
+            h["model"],
+            h["region"],
+            str(h["instance_id"] or "-"),
+            str(h["machine_id"]),
+            h["gpu_name"],
+            f"{h['dph_total']:.4f}",
+            f"{h['accrued_usd']:.4f}",
+            h["endpoint"] or "-",
+        )
+    out.print(table)
+
+
+@app.command("endpoints")
+def endpoints_cmd(
+    show_keys: Annotated[bool, typer.Option("--show-keys", help="Include each host's API key.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """What a voice agent needs: the URL, model and slots of every READY host."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            return fleet.endpoints()
+
+    endpoints = run_async(go)
+    rows = [{k: v for k, v in e.items() if show_keys or k != "api_key"} for e in endpoints]
+    if json_output:
+        print_json(rows)
+        return
+    for r in rows:
+        out.print(" ".join(f"{k}={v}" for k, v in r.items()), highlight=False)
+    if not rows:
+        err.print("no READY host")
+
+
+@app.command("destroy")
+def destroy_cmd(
+    hosts: Annotated[list[str] | None, typer.Argument(help="Host names (see `fleet status`).")] = None,
+    all_hosts: Annotated[bool, typer.Option("--all", help="Every live host.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Destroy hosts: the instance deleted, confirmed gone, the cost closed. Idempotent."""
+    settings = load_settings(config_path)
+    if bool(hosts) == all_hosts:
+        fail("name the hosts to destroy, or pass --all", 2)
+    if all_hosts and not yes:
+        if not sys.stdin.isatty():
+            fail("refusing to destroy every host without --yes", 2)
+        typer.confirm("Destroy every live host?", abort=True)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            try:
+                return await fleet.destroy(None if all_hosts else list(hosts or []))
+            except KeyError as e:
+                fail(str(e.args[0]), 2)
+
+    done = run_async(go)
+    if json_output:
+        print_json(
+            [
+                {"name": h.name, "instance_id": h.instance_id, "state": h.state, "accrued_usd": h.accrued_usd}
+                for h in done
+            ]
+        )
+        return
+    for h in done:
+        out.print(
+            f"{h.name}: {h.state} (instance {h.instance_id or '-'}, cost ${h.accrued_usd or 0:.4f})", highlight=False
+        )
+    if not done:
+        out.print("nothing to destroy")
+
+
+@app.command("reconcile")
+def reconcile_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
+    """Look up every recorded host by id, finish interrupted work, destroy strays with our label."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            return await fleet.reconcile()
+
+    report = run_async(go)
+    if json_output:
+        print_json(report)
+        return
+    out.print(
+        f"checked {report['checked']} hosts; gone: {len(report['gone'])}; failed and destroyed: "
+        f"{len(report['failed'])}; adopted: {len(report['adopted'])}; strays destroyed: "
+        f"{len(report['strays_destroyed'])}",
+        highlight=False,
+    )
 
 
 @cloud_app.command("start")

@@ -1,0 +1,196 @@
+"""fleet.toml -> typed, validated settings. Every error names the file, the key and the problem."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG = "fleet.toml"
+LOCAL = "local"
+HUGGING_FACE = "https://huggingface.co"
+
+
+class ConfigError(ValueError):
+    """A config problem: one line that names the file and the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Provider(Strict):
+    url: str = LOCAL
+    api_key_env: str = "VAST_API_KEY"
+    api_key_file: str = "~/.config/vastai/vast_api_key"
+    image: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v != LOCAL and not re.match(r"^https?://[^\s/]+", v):
+            raise ValueError(f"must be 'local' or an http(s) URL, not {v!r}")
+        return v.rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        return self.url == LOCAL
+
+
+class Hub(Strict):
+    url: str = "auto"
+    token_env: str = "HF_TOKEN"
+
+
+class Database(Strict):
+    path: str = "~/.local/state/fleet/fleet.db"
+
+    @property
+    def file(self) -> Path:
+        return Path(os.path.expanduser(self.path))
+
+
+class Filters(Strict):
+    min_reliability: Annotated[float, Field(ge=0, le=1)] = 0.98
+    min_cuda: Annotated[float, Field(ge=0)] = 12.8
+    min_disk_gb: Annotated[float, Field(ge=0)] = 100
+    min_direct_ports: Annotated[int, Field(ge=0)] = 2
+    max_inet_usd_per_gb: Annotated[float, Field(ge=0)] = 0.05
+    verified_only: bool = True
+
+
+class Timeouts(Strict):
+    create_to_running: Annotated[float, Field(gt=0)] = 600
+    ssh: Annotated[float, Field(gt=0)] = 120
+    pull: Annotated[float, Field(gt=0)] = 3600
+    load: Annotated[float, Field(gt=0)] = 600
+    probes: Annotated[float, Field(gt=0)] = 600
+
+
+class Caps(Strict):
+    max_hosts_total: Annotated[int, Field(ge=0)] = 8
+    max_hosts_per_model: Annotated[int, Field(ge=0)] = 4
+    max_usd_per_hour: Annotated[float, Field(ge=0)] = 5.0
+
+
+class Up(Strict):
+    max_attempts: Annotated[int, Field(ge=1, le=50)] = 5
+    pull_connections: Annotated[int, Field(ge=1, le=16)] = 8
+    blacklist_hours: Annotated[float, Field(ge=0)] = 72
+
+
+class Traffic(Strict):
+    up: Annotated[float, Field(ge=0)] = 0.0
+    down: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ModelFile(Strict):
+    key: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
+    repo: Annotated[str, Field(pattern=r"^[\w.-]+/[\w.-]+$")]
+    file: Annotated[str, Field(pattern=r"^[\w.-]+$")]
+    revision: str = "main"
+
+
+class Profile(Strict):
+    name: str = ""
+    description: str = ""
+    gpu_ram_gb: Annotated[float, Field(ge=0)]
+    disk_gb: Annotated[float, Field(ge=8)]
+    slots: Annotated[int, Field(ge=1)]
+    ctx_per_slot: Annotated[int, Field(ge=256)]
+    traffic_gb_per_hour: Traffic = Traffic()
+    files: Annotated[list[ModelFile], Field(min_length=1)]
+    args: list[str] = []
+
+    @model_validator(mode="after")
+    def _files(self) -> Profile:
+        keys = [f.key for f in self.files]
+        if "main" not in keys:
+            raise ValueError("files: one file must have key = 'main'")
+        if len(set(keys)) != len(keys):
+            raise ValueError("files: keys must be unique")
+        for arg in self.args:
+            for ref in re.findall(r"\{file\.([^}]*)\}", arg):
+                if ref not in keys:
+                    raise ValueError(f"args: {{file.{ref}}} names no file")
+        for forbidden in ("--api-key", "--port", "--host", "-m", "--model"):
+            if forbidden in self.args:
+                raise ValueError(f"args: {forbidden} is set by fleet, not the profile")
+        return self
+
+
+class Settings(Strict):
+    source: Path = Path(DEFAULT_CONFIG)
+    provider: Provider
+    hub: Hub = Hub()
+    database: Database = Database()
+    regions: dict[str, Annotated[list[str], Field(min_length=1)]]
+    filters: Filters = Filters()
+    timeouts: Timeouts = Timeouts()
+    caps: Caps = Caps()
+    up: Up = Up()
+    models: dict[str, Profile]
+
+    @field_validator("regions")
+    @classmethod
+    def _regions(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, codes in v.items():
+            bad = [c for c in codes if not re.fullmatch(r"[A-Z]{2}", c)]
+            if bad:
+                raise ValueError(f"{name}: country codes must be two capital letters, not {bad}")
+        return v
+
+    def profile(self, name: str) -> Profile:
+        if name not in self.models:
+            raise ConfigError(f"{self.source}: no model profile {name!r} (have: {', '.join(sorted(self.models))})")
+        return self.models[name]
+
+    def region(self, name: str) -> list[str]:
+        if name in self.regions:
+            return self.regions[name]
+        if re.fullmatch(r"[A-Z]{2}", name):
+            return [name]
+        raise ConfigError(
+            f"{self.source}: no region {name!r} (have: {', '.join(sorted(self.regions))}, or a two-letter country code)"
+        )
+
+    def hub_url(self, local_cloud_url: str | None) -> str:
+        if self.hub.url == "auto":
+            return local_cloud_url if (self.provider.is_local and local_cloud_url) else HUGGING_FACE
+        return self.hub.url.rstrip("/")
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in error["loc"] if p not in ("function-after",))
+    msg = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif error["type"] == "missing":
+        msg = "missing"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def load(path: Path | str | None = None) -> Settings:
+    """Read and validate fleet.toml (FLEET_CONFIG or ./fleet.toml when no path is given)."""
+    path = Path(path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (pass --config or set FLEET_CONFIG)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    models = raw.get("models")
+    if isinstance(models, dict):
+        raw["models"] = {k: {**v, "name": k} if isinstance(v, dict) else v for k, v in models.items()}
+    try:
+        return Settings(source=path, **raw)
+    except ValidationError as e:
+        errors = e.errors()
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"{path}: {_describe(errors[0])}{more}") from None
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,157 @@
+"""The SQLite (or PostgreSQL) engine: private file, WAL, busy timeout, schema by alembic migrations."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel, col, create_engine, select
+
+from fleet.market import Offer
+from fleet.models import Attempt, Blacklist, Event, Host, OfferSeen
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+BUSY_TIMEOUT_MS = 10_000
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+def _private_file(path: Path) -> None:
+    """Create the database file (and its directory) readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
+def make_engine(path: Path) -> Engine:
+    _private_file(path)
+    engine = create_engine(sqlite_url(path), connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return engine
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest migration."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.upgrade(cfg, "head")
+    # WAL and SHM side files must be as private as the database itself.
+    url = engine.url
+    if url.drivername.startswith("sqlite") and url.database:
+        for suffix in ("-wal", "-shm"):
+            side = Path(url.database + suffix)
+            if side.exists():
+                os.chmod(side, 0o600)
+
+
+def open_database(path: Path) -> Engine:
+    engine = make_engine(path)
+    migrate(engine)
+    return engine
+
+
+def session(engine: Engine) -> Session:
+    return Session(engine, expire_on_commit=False)
+
+
+class Record:
+    """Every read and write of the record goes through here."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def add(self, row: SQLModel) -> SQLModel:
+        with session(self.engine) as s:
+            s.add(row)
+            s.commit()
+            s.refresh(row)
+            return row
+
+    def update(self, row: SQLModel, **changes: object) -> SQLModel:
+        with session(self.engine) as s:
+            merged = s.merge(row)
+            for key, value in changes.items():
+                setattr(merged, key, value)
+            s.add(merged)
+            s.commit()
+            s.refresh(merged)
+        for key, value in changes.items():
+            setattr(row, key, value)
+        return merged
+
+    def add_offer_seen(self, provider_url: str, offer: Offer) -> None:
+        self.add(
+            OfferSeen(
+                provider_url=provider_url,
+                offer_id=offer.id,
+                machine_id=offer.machine_id,
+                gpu_name=offer.gpu_name,
+                num_gpus=offer.num_gpus,
+                geolocation=offer.geolocation,
+                dph_total=offer.dph_total,
+                inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
+                inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
+                reliability=offer.reliability,
+            )
+        )
+
+    def event(self, kind: str, action: str, detail: str = "", host_id: int | None = None) -> None:
+        self.add(Event(kind=kind, action=action, detail=detail, host_id=host_id))
+
+    def hosts(
+        self, *, states: tuple[str, ...] | None = None, model: str | None = None, names: list[str] | None = None
+    ) -> list[Host]:
+        with session(self.engine) as s:
+            q = select(Host)
+            if states is not None:
+                q = q.where(col(Host.state).in_(states))
+            if model is not None:
+                q = q.where(Host.model == model)
+            if names is not None:
+                q = q.where(col(Host.name).in_(names))
+            return list(s.exec(q.order_by(Host.id)))
+
+    def host(self, host_id: int) -> Host | None:
+        with session(self.engine) as s:
+            return s.get(Host, host_id)
+
+    def blacklisted_machines(self, provider_url: str, now: datetime) -> set[int]:
+        with session(self.engine) as s:
+            q = select(Blacklist.machine_id).where(Blacklist.provider_url == provider_url, Blacklist.expires_at > now)
+            return set(s.exec(q))
+
+    def attempts(self, run_id: str | None = None) -> list[Attempt]:
+        with session(self.engine) as s:
+            q = select(Attempt)
+            if run_id is not None:
+                q = q.where(Attempt.run_id == run_id)
+            return list(s.exec(q.order_by(Attempt.id)))
+
+    def events(self, host_id: int | None = None) -> list[Event]:
+        with session(self.engine) as s:
+            q = select(Event)
+            if host_id is not None:
+                q = q.where(Event.host_id == host_id)
+            return list(s.exec(q.order_by(Event.id)))
+
+    def blacklist(self) -> list[Blacklist]:
+        with session(self.engine) as s:
+            return list(s.exec(select(Blacklist).order_by(Blacklist.id)))

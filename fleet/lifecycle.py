@@ -1,0 +1,703 @@
+"""The per-host state machine: rent, boot, connect, pull, start, probe; destroy; reconcile.
+
+Every call that creates or destroys is recorded as an intent before it is made and as an answer
+after, so a process killed at any point leaves a record that `reconcile` can finish: nothing
+orphaned, nothing bought twice. A host that fails a phase is destroyed, its machine blacklisted,
+and the next offer is tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+import asyncssh
+import httpx
+
+from fleet import offers as offer_rules
+from fleet.config import Profile, Settings
+from fleet.db import Record
+from fleet.market import FAILED, Instance, InstanceSpec, MarketError, Offer, OfferGone
+from fleet.market.vast import VastMarket
+from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, utcnow
+from fleet.probes import ProbeResult
+from fleet.probes.smoke import run_smoke
+from fleet.remote import RemoteError, SshKey, connect, run, run_streaming
+
+LABEL_PREFIX = "fleet:"
+SERVICE_PORT = 70000  # vast.ai maps ports above 70000 identically: the host binds $VAST_TCP_PORT_70000
+RUN_DIR = "fleet-run"
+MODELS_DIR = "models"
+
+
+class PhaseFailed(Exception):
+    def __init__(self, phase: str, reason: str) -> None:
+        super().__init__(f"{phase}: {reason}")
+        self.phase = phase
+        self.reason = reason
+
+
+class CapReached(Exception):
+    """A cap in fleet.toml forbids another create."""
+
+
+class Reporter(Protocol):
+    def info(self, host: str, message: str) -> None: ...
+
+    def progress(self, host: str, what: str, done: int, total: int) -> None: ...
+
+
+class QuietReporter:
+    def info(self, host: str, message: str) -> None:
+        pass
+
+    def progress(self, host: str, what: str, done: int, total: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class UpRequest:
+    model: str
+    region: str
+    count: int = 1
+    max_price: float | None = None
+    dry_run: bool = False
+
+
+@dataclass
+class AttemptReport:
+    host: str
+    offer_id: int
+    machine_id: int
+    gpu_name: str
+    geolocation: str
+    dph_total: float
+    inet_usd_per_gb: float
+    outcome: str
+    phase: str | None = None
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class UpResult:
+    run_id: str
+    ready: list[Host] = field(default_factory=list)
+    attempts: list[AttemptReport] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # why a requested host did not come up
+    planned: list[Offer] = field(default_factory=list)  # --dry-run: the offers that would be tried
+
+
+@dataclass
+class Waits:
+    """Seconds spent waiting on the outside world, by kind (for bench/up_overhead.py)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @asynccontextmanager
+    async def on(self, kind: str) -> AsyncIterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
+
+
+class OfferPicker:
+    """Hands each concurrent bring-up the best offer no sibling holds, never the same machine twice."""
+
+    def __init__(self, ranked: list[Offer], excluded_machines: set[int]) -> None:
+        self._ranked = ranked
+        self._held: set[int] = set(excluded_machines)
+        self._lock = asyncio.Lock()
+
+    async def claim(self, tried: set[int]) -> Offer | None:
+        async with self._lock:
+            for offer in self._ranked:
+                if offer.id not in tried and offer.machine_id not in self._held:
+                    self._held.add(offer.machine_id)
+                    return offer
+            return None
+
+    def release(self, offer: Offer) -> None:
+        """The machine may be offered again (the offer vanished; the machine itself did nothing wrong)."""
+        self._held.discard(offer.machine_id)
+
+
+def accrued_usd(host: Host, now: datetime | None = None) -> float:
+    end = host.destroyed_at or now or utcnow()
+    start = host.created_at
+    if start.tzinfo is None:
+        start = start.replace(tzinfo=UTC)
+    if end.tzinfo is None:
+        end = end.replace(tzinfo=UTC)
+    return host.dph_total * max((end - start).total_seconds(), 0.0) / 3600.0
+
+
+def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
+    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), port, alias."""
+    args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
+    return ["-m", files["main"], *args, "--port", str(port), "-a", profile.name]
+
+
+class Fleet:
+    """The library behind every command; the CLI, the scheduler and the tests call these methods."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        record: Record,
+        market: VastMarket,
+        ssh_key: SshKey,
+        hub_url: str,
+        reporter: Reporter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.record = record
+        self.market = market
+        self.ssh_key = ssh_key
+        self.hub_url = hub_url.rstrip("/")
+        self.reporter = reporter or QuietReporter()
+        self.waits = Waits()
+        self._create_lock = asyncio.Lock()
+
+    # ---- offers ---------------------------------------------------------------------------
+    def criteria(
+        self, profile: Profile, region: str, max_price: float | None, excluded: set[int] | None = None
+    ) -> offer_rules.Criteria:
+        return offer_rules.Criteria(
+            countries=frozenset(self.settings.region(region)),
+            filters=self.settings.filters,
+            min_gpu_ram_gb=profile.gpu_ram_gb,
+            max_usd_per_hour=max_price,
+            excluded_machines=frozenset(excluded or ()),
+        )
+
+    async def offers(
+        self, model: str, region: str, max_price: float | None = None, exclude_unusable: bool = False
+    ) -> offer_rules.Funnel:
+        """Search, re-check every filter locally, rank by effective $/h; record what was seen."""
+        profile = self.settings.profile(model)
+        excluded = self._unusable_machines() if exclude_unusable else set()
+        criteria = self.criteria(profile, region, max_price, excluded)
+        async with self.waits.on("market"):
+            found = await self.market.search(offer_rules.query_for(criteria, profile))
+        for o in found:
+            self.record.add_offer_seen(self.market.url, o)
+        return offer_rules.funnel(found, criteria, profile)
+
+    def _unusable_machines(self) -> set[int]:
+        live = {h.machine_id for h in self.record.hosts(states=LIVE_STATES)}
+        return live | self.record.blacklisted_machines(self.market.url, utcnow())
+
+    # ---- up ---------------------------------------------------------------------------
+    async def up(self, request: UpRequest) -> UpResult:
+        profile = self.settings.profile(request.model)
+        self.settings.region(request.region)
+        run_id = secrets.token_hex(4)
+        result = UpResult(run_id=run_id)
+        funnel = await self.offers(request.model, request.region, request.max_price, exclude_unusable=True)
+        if request.dry_run:
+            result.planned = funnel.passed[: max(request.count, 1) * self.settings.up.max_attempts]
+            return result
+        async with self.waits.on("market"):
+            await self.market.ensure_ssh_key(self.ssh_key.public)
+        picker = OfferPicker(funnel.passed, set())
+        outcomes = await asyncio.gather(
+            *(self._bring_up_one(run_id, profile, request, picker, result) for _ in range(request.count))
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, Host):
+                result.ready.append(outcome)
+            else:
+                result.failures.append(outcome)
+        return result
+
+    async def _bring_up_one(
+        self, run_id: str, profile: Profile, request: UpRequest, picker: OfferPicker, result: UpResult
+    ) -> Host | str:
+        tried: set[int] = set()
+        last_reason = "no offer passed the filters"
+        for _ in range(self.settings.up.max_attempts):
+            offer = await picker.claim(tried)
+            if offer is None:
+                return f"no offer left to try ({last_reason})"
+            tried.add(offer.id)
+            started = time.monotonic()
+            try:
+                host = await self._intent_to_create(run_id, profile, request, offer)
+            except CapReached as e:
+                picker.release(offer)
+                return str(e)
+            report = AttemptReport(
+                host.name,
+                offer.id,
+                offer.machine_id,
+                offer.gpu_name,
+                offer.geolocation,
+                offer.dph_total,
+                max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
+                outcome="ready",
+            )
+            result.attempts.append(report)
+            try:
+                await self._attempt(host, profile, offer)
+                report.seconds = time.monotonic() - started
+                return host
+            except OfferGone as e:
+                picker.release(offer)
+                report.outcome, report.phase, report.reason = "failed", "create", f"offer gone: {e}"
+                self._end_attempt(host, "create", report.reason, state=HostState.DESTROYED)
+            except PhaseFailed as e:
+                report.outcome, report.phase, report.reason = "failed", e.phase, e.reason
+                await self._fail(host, e.phase, e.reason, blacklist=True)
+            except (MarketError, RemoteError, OSError, asyncssh.Error, httpx.HTTPError) as e:
+                report.outcome, report.phase, report.reason = "failed", host.state, f"{type(e).__name__}: {e}"
+                await self._fail(host, host.state, report.reason, blacklist=False)
+                report.seconds = time.monotonic() - started
+                return f"stopped after an unexpected error: {report.reason}"
+            except BaseException:
+                await asyncio.shield(self._fail(host, host.state, "interrupted", blacklist=False))
+                raise
+            report.seconds = time.monotonic() - started
+            last_reason = report.reason or last_reason
+            self.reporter.info(host.name, f"failed in {report.phase}: {report.reason}; trying the next offer")
+        return f"gave up after {self.settings.up.max_attempts} attempts (last: {last_reason})"
+
+    async def _intent_to_create(self, run_id: str, profile: Profile, request: UpRequest, offer: Offer) -> Host:
+        """Check the caps and write the host row before the create call, under one lock."""
+        async with self._create_lock:
+            live = self.record.hosts(states=LIVE_STATES)
+            caps = self.settings.caps
+            same_model = [h for h in live if h.model == profile.name]
+            spend = sum(h.dph_total for h in live)
+            if len(live) + 1 > caps.max_hosts_total:
+                raise CapReached(f"cap reached: {len(live)} live hosts, caps.max_hosts_total = {caps.max_hosts_total}")
+            if len(same_model) + 1 > caps.max_hosts_per_model:
+                raise CapReached(
+                    f"cap reached: {len(same_model)} live {profile.name} hosts, "
+                    f"caps.max_hosts_per_model = {caps.max_hosts_per_model}"
+                )
+            if spend + offer.dph_total > caps.max_usd_per_hour:
+                raise CapReached(
+                    f"cap reached: ${spend:.3f}/h live + ${offer.dph_total:.3f}/h would exceed "
+                    f"caps.max_usd_per_hour = {caps.max_usd_per_hour}"
+                )
+            name = f"{profile.name}-{request.region}-{secrets.token_hex(3)}"
+            host = Host(
+                name=name,
+                run_id=run_id,
+                model=profile.name,
+                region=request.region,
+                state=HostState.CREATING,
+                provider_url=self.market.url,
+                label=f"{LABEL_PREFIX}{name}",
+                offer_id=offer.id,
+                machine_id=offer.machine_id,
+                gpu_name=offer.gpu_name,
+                num_gpus=offer.num_gpus,
+                gpu_ram_mb=offer.gpu_ram_mb,
+                geolocation=offer.geolocation,
+                dph_total=offer.dph_total,
+                inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
+                inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
+                effective_usd_per_hour=offer_rules.effective_price_per_hour(offer, profile),
+                slots=profile.slots,
+            )
+            self.record.add(host)
+            self.record.add(
+                Attempt(
+                    run_id=run_id,
+                    host_id=host.id,
+                    model=profile.name,
+                    offer_id=offer.id,
+                    machine_id=offer.machine_id,
+                    dph_total=offer.dph_total,
+                    inet_usd_per_gb=max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
+                )
+            )
+            self.record.event("intent", "create", json.dumps({"offer_id": offer.id, "label": host.label}), host.id)
+            return host
+
+    async def _attempt(self, host: Host, profile: Profile, offer: Offer) -> None:
+        spec = InstanceSpec(
+            image=self.settings.provider.image, disk_gb=profile.disk_gb, label=host.label, env={}, ports=[SERVICE_PORT]
+        )
+        self.reporter.info(
+            host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
+        )
+        try:
+            async with self.waits.on("market"):
+                instance_id = await self.market.create(offer.id, spec)
+        except OfferGone:
+            self.record.event("answer", "create", "offer gone", host.id)
+            raise
+        except MarketError as e:
+            # The create may have been processed: look for our label, so nothing is left billing.
+            self.record.event("answer", "create", f"error: {e}", host.id)
+            await self._destroy_strays_of(host)
+            raise
+        self.record.update(host, instance_id=instance_id, state=HostState.BOOTING)
+        self.record.event("answer", "create", json.dumps({"instance_id": instance_id}), host.id)
+        self.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
+
+        timeouts = self.settings.timeouts
+        instance = await self._wait_running(host, timeouts.create_to_running)
+        self.record.update(host, running_at=utcnow(), state=HostState.CONNECTING)
+        endpoint = instance.ssh_endpoint()
+        service = instance.service_endpoint(SERVICE_PORT)
+        if endpoint is None or service is None:
+            raise PhaseFailed("boot", f"running without an SSH endpoint or port {SERVICE_PORT} mapping")
+        try:
+            async with self.waits.on("ssh"):
+                conn, host_key = await connect(endpoint[0], endpoint[1], self.ssh_key, None, timeouts.ssh)
+        except RemoteError as e:
+            raise PhaseFailed("connect", str(e)) from None
+        async with conn:
+            self.record.update(
+                host,
+                ssh_host=endpoint[0],
+                ssh_port=endpoint[1],
+                host_key=host_key,
+                connected_at=utcnow(),
+                state=HostState.PULLING,
+            )
+            self.reporter.info(host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); pulling weights")
+            files = await self._pull(host, profile, conn, timeouts.pull)
+            self.record.update(host, pulled_at=utcnow(), state=HostState.STARTING)
+            api_key = secrets.token_urlsafe(32)
+            api_url = f"http://{service[0]}:{service[1]}"
+            await self._start_server(host, profile, conn, service[1], files, api_key, api_url, timeouts.load)
+        self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
+        self.reporter.info(host.name, f"llama-server up at {api_url}; probing")
+        try:
+            async with asyncio.timeout(timeouts.probes), self.waits.on("server"):
+                smoke = await run_smoke(api_url, api_key)
+        except (TimeoutError, httpx.HTTPError) as e:
+            raise PhaseFailed("probes", f"smoke probe failed: {type(e).__name__}: {e}") from None
+        self._record_probe(host, smoke)
+        if not smoke.passed:
+            raise PhaseFailed("probes", f"smoke: {smoke.diagnosis}")
+        self.record.update(host, ready_at=utcnow(), state=HostState.READY)
+        self._end_attempt(host, None, None, state=HostState.READY)
+        self.reporter.info(host.name, f"READY at {api_url} (${host.dph_total:.4f}/h)")
+
+    async def _wait_running(self, host: Host, timeout_s: float) -> Instance:
+        assert host.instance_id is not None
+        deadline = time.monotonic() + timeout_s
+        interval = 0.2
+        status: str | None = None
+        while True:
+            async with self.waits.on("market"):
+                instance = await self.market.get(host.instance_id)
+            if instance is None:
+                raise PhaseFailed("boot", "the instance disappeared while booting")
+            status = instance.status
+            if status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
+                return instance
+            if status in FAILED:
+                raise PhaseFailed("boot", f"instance is {status}: {instance.status_msg or 'no message'}")
+            if time.monotonic() >= deadline:
+                raise PhaseFailed(
+                    "boot", f"still {status or 'provisioning'} after {timeout_s:g}s (timeouts.create_to_running)"
+                )
+            async with self.waits.on("market"):
+                await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.01)))
+            interval = min(interval * 1.5, 5.0)
+
+    async def _pull(
+        self, host: Host, profile: Profile, conn: asyncssh.SSHClientConnection, timeout_s: float
+    ) -> dict[str, str]:
+        hf_token = os.environ.get(self.settings.hub.token_env, "")
+        paths: dict[str, str] = {}
+        try:
+            async with asyncio.timeout(timeout_s), self.waits.on("pull"):
+                for f in profile.files:
+                    url = f"{self.hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
+                    sha256, size = await self._linked_etag(url, hf_token)
+                    dest = f"{MODELS_DIR}/{f.file}"
+                    shown = {"t": 0.0}
+
+                    def progress(
+                        line: str, name: str = f.file, total: int = size, shown: dict[str, float] = shown
+                    ) -> None:
+                        if line.startswith("progress ") and time.monotonic() - shown["t"] > 1.0:
+                            shown["t"] = time.monotonic()
+                            self.reporter.progress(host.name, name, int(line.split()[1]), total)
+
+                    # The token travels on stdin into the script's environment, never on a command line.
+                    argv = [
+                        "sh",
+                        "-c",
+                        'IFS= read -r HF_TOKEN; export HF_TOKEN; exec fleet-pull "$@"',
+                        "fleet-pull",
+                        url,
+                        sha256,
+                        dest,
+                        str(self.settings.up.pull_connections),
+                    ]
+                    last = await run_streaming(conn, argv, progress, stdin=hf_token + "\n")
+                    if last != f"ok {sha256} {size}":
+                        raise PhaseFailed("pull", f"{f.file}: unexpected result {last!r}")
+                    self.reporter.progress(host.name, f.file, size, size)
+                    paths[f.key] = dest
+        except TimeoutError:
+            raise PhaseFailed("pull", f"not done after {timeout_s:g}s (timeouts.pull)") from None
+        except RemoteError as e:
+            raise PhaseFailed("pull", str(e)) from None
+        return paths
+
+    async def _linked_etag(self, url: str, hf_token: str) -> tuple[str, int]:
+        """The sha256 and size the hub states for a file, from its first (redirect) answer."""
+        headers = {"Authorization": f"Bearer {hf_token}"} if hf_token else {}
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.head(url, headers=headers, follow_redirects=False)
+        etag = (r.headers.get("X-Linked-Etag") or "").strip('"')
+        size = r.headers.get("X-Linked-Size")
+        if r.status_code >= 400 or not re.fullmatch(r"[0-9a-f]{64}", etag) or not size:
+            raise PhaseFailed("pull", f"the hub gave no sha256 for {url} (HTTP {r.status_code})")
+        return etag, int(size)
+
+    async def _start_server(
+        self,
+        host: Host,
+        profile: Profile,
+        conn: asyncssh.SSHClientConnection,
+        port: int,
+        files: dict[str, str],
+        api_key: str,
+        api_url: str,
+        timeout_s: float,
+    ) -> None:
+        argv = ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)]
+        try:
+            await run(conn, argv, stdin=api_key + "\n", timeout_s=60)
+        except RemoteError as e:
+            raise PhaseFailed("start", str(e)) from None
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=5) as client, self.waits.on("server"):
+            polls = 0
+            while time.monotonic() < deadline:
+                try:
+                    if (await client.get(f"{api_url}/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                polls += 1
+                if polls % 20 == 0 and not await self._server_alive(conn):
+                    raise PhaseFailed("start", f"llama-server exited: {await self._server_log_tail(conn)}")
+                await asyncio.sleep(0.1)
+        raise PhaseFailed(
+            "start", f"no /health 200 after {timeout_s:g}s (timeouts.load): {await self._server_log_tail(conn)}"
+        )
+
+    async def _server_alive(self, conn: asyncssh.SSHClientConnection) -> bool:
+        result = await conn.run(f'kill -0 "$(cat {RUN_DIR}/llama-server.pid)"', check=False)
+        return result.exit_status == 0
+
+    async def _server_log_tail(self, conn: asyncssh.SSHClientConnection) -> str:
+        result = await conn.run(f"tail -n 3 {RUN_DIR}/llama-server.log", check=False)
+        return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
+
+    def _record_probe(self, host: Host, probe: ProbeResult) -> None:
+        self.record.event(
+            "info" if probe.passed else "error", f"probe:{probe.name}", json.dumps(probe.as_dict()), host.id
+        )
+
+    def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
+        attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)
+        self.record.update(
+            attempt,
+            ended_at=utcnow(),
+            outcome="ready" if state == HostState.READY else "failed",
+            phase=phase,
+            reason=reason,
+        )
+        if state != HostState.READY:
+            changes: dict[str, Any] = {"state": state, "failed_phase": phase, "failure_reason": reason}
+            if state == HostState.DESTROYED:
+                changes.update(destroyed_at=utcnow(), accrued_usd=0.0)
+            self.record.update(host, **changes)
+
+    async def _fail(self, host: Host, phase: str, reason: str, blacklist: bool) -> None:
+        """Destroy what this attempt created, blacklist the machine, record why."""
+        self.record.event("error", "phase", json.dumps({"phase": phase, "reason": reason}), host.id)
+        self.record.update(host, state=HostState.FAILED, failed_phase=phase, failure_reason=reason)
+        if blacklist:
+            self.record.add(
+                Blacklist(
+                    provider_url=host.provider_url,
+                    machine_id=host.machine_id,
+                    phase=phase,
+                    reason=reason,
+                    expires_at=utcnow() + timedelta(hours=self.settings.up.blacklist_hours),
+                )
+            )
+        attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)
+        self.record.update(attempt, ended_at=utcnow(), outcome="failed", phase=phase, reason=reason)
+        if host.instance_id is not None:
+            await self._destroy_instance(host, final_state=HostState.FAILED)
+        else:
+            self.record.update(host, destroyed_at=utcnow(), accrued_usd=0.0)
+
+    async def _destroy_strays_of(self, host: Host) -> None:
+        async with self.waits.on("market"):
+            strays = await self.market.list(host.label)
+        for instance in strays:
+            if instance.label == host.label:
+                self.record.update(host, instance_id=instance.id)
+                await self._destroy_instance(host, final_state=HostState.FAILED)
+
+    # ---- destroy ----------------------------------------------------------------------------
+    async def _destroy_instance(
+        self, host: Host, final_state: HostState = HostState.DESTROYED, confirm_timeout_s: float = 60.0
+    ) -> None:
+        assert host.instance_id is not None
+        self.record.event("intent", "destroy", json.dumps({"instance_id": host.instance_id}), host.id)
+        if final_state == HostState.DESTROYED:
+            self.record.update(host, state=HostState.DESTROYING)
+        async with self.waits.on("market"):
+            await self.market.destroy(host.instance_id)
+            deadline = time.monotonic() + confirm_timeout_s
+            while await self.market.get(host.instance_id) is not None:
+                if time.monotonic() > deadline:
+                    raise MarketError(f"instance {host.instance_id} still listed {confirm_timeout_s:g}s after destroy")
+                await asyncio.sleep(1.0)
+        now = utcnow()
+        self.record.update(host, state=final_state, destroyed_at=now, accrued_usd=accrued_usd(host, now))
+        self.record.event("answer", "destroy", json.dumps({"instance_id": host.instance_id, "gone": True}), host.id)
+        self.reporter.info(host.name, f"instance {host.instance_id} destroyed; cost ${host.accrued_usd:.4f}")
+
+    async def destroy(self, names: list[str] | None) -> list[Host]:
+        """Destroy the named hosts (None: every live host). Idempotent; confirms each is gone."""
+        if names is None:
+            targets = self.record.hosts(states=(*LIVE_STATES, HostState.FAILED))
+            targets = [h for h in targets if h.destroyed_at is None]
+        else:
+            targets = self.record.hosts(names=names)
+            unknown = sorted(set(names) - {h.name for h in targets})
+            if unknown:
+                raise KeyError(f"no such host: {', '.join(unknown)}")
+        done = []
+        for host in targets:
+            if host.destroyed_at is not None or host.instance_id is None:
+                if host.destroyed_at is None:
+                    self.record.update(host, state=HostState.DESTROYED, destroyed_at=utcnow(), accrued_usd=0.0)
+                done.append(host)
+                continue
+            await self._destroy_instance(host)
+            done.append(host)
+        return done
+
+    # ---- status and reconcile ----------------------------------------------------------------
+    def status(self, include_ended: bool = False) -> list[dict[str, Any]]:
+        hosts = self.record.hosts() if include_ended else self.record.hosts(states=LIVE_STATES)
+        return [host_summary(h) for h in hosts]
+
+    def endpoints(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": h.name,
+                "url": h.api_url,
+                "model": h.model,
+                "slots": h.slots,
+                "region": h.region,
+                "api_key": h.api_key,
+            }
+            for h in self.record.hosts(states=(HostState.READY,))
+        ]
+
+    async def reconcile(self) -> dict[str, Any]:
+        """Look up every recorded host by id; finish interrupted work; destroy strays with our label."""
+        report: dict[str, Any] = {"checked": 0, "gone": [], "failed": [], "strays_destroyed": [], "adopted": []}
+        live = self.record.hosts(states=LIVE_STATES)
+        async with self.waits.on("market"):
+            listing = await self.market.list(LABEL_PREFIX)
+        by_label = {i.label: i for i in listing}
+        found_by_id = 0
+        for host in live:
+            report["checked"] += 1
+            if host.instance_id is None:
+                instance = by_label.get(host.label)
+                if instance is None:
+                    self.record.update(
+                        host,
+                        state=HostState.DESTROYED,
+                        destroyed_at=utcnow(),
+                        accrued_usd=0.0,
+                        failure_reason="create was interrupted and bought nothing",
+                    )
+                    report["gone"].append(host.name)
+                    continue
+                self.record.update(host, instance_id=instance.id)
+                report["adopted"].append(host.name)
+            async with self.waits.on("market"):
+                instance = await self.market.get(host.instance_id)
+            if instance is None:
+                now = utcnow()
+                self.record.update(
+                    host,
+                    state=HostState.DESTROYED,
+                    destroyed_at=now,
+                    accrued_usd=accrued_usd(host, now),
+                    failure_reason="instance gone at reconcile",
+                )
+                self.record.event("info", "reconcile", "instance gone", host.id)
+                report["gone"].append(host.name)
+                continue
+            found_by_id += 1
+            interrupted = host.state not in (HostState.READY,)
+            if instance.status in FAILED or interrupted:
+                reason = (
+                    f"instance {instance.status}"
+                    if instance.status in FAILED
+                    else f"bring-up interrupted in {host.state}"
+                )
+                await self._fail(host, host.state, reason, blacklist=instance.status in FAILED)
+                report["failed"].append(host.name)
+        if found_by_id and not listing:
+            raise MarketError("the instance listing is empty while recorded instances exist; not sweeping strays")
+        known = {h.instance_id for h in self.record.hosts() if h.instance_id is not None}
+        for instance in listing:
+            if instance.id not in known:
+                async with self.waits.on("market"):
+                    await self.market.destroy(instance.id)
+                self.record.event(
+                    "info", "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label})
+                )
+                report["strays_destroyed"].append(instance.id)
+        return report
+
+
+def host_summary(h: Host) -> dict[str, Any]:
+    return {
+        "id": h.id,
+        "name": h.name,
+        "state": h.state,
+        "model": h.model,
+        "region": h.region,
+        "instance_id": h.instance_id,
+        "machine_id": h.machine_id,
+        "offer_id": h.offer_id,
+        "gpu_name": h.gpu_name,
+        "geolocation": h.geolocation,
+        "dph_total": h.dph_total,
+        "effective_usd_per_hour": h.effective_usd_per_hour,
+        "accrued_usd": h.accrued_usd if h.accrued_usd is not None else accrued_usd(h),
+        "endpoint": h.api_url,
+        "slots": h.slots,
+        "created_at": h.created_at.isoformat(),
+        "ready_at": h.ready_at.isoformat() if h.ready_at else None,
+        "destroyed_at": h.destroyed_at.isoformat() if h.destroyed_at else None,
+        "failed_phase": h.failed_phase,
+        "failure_reason": h.failure_reason,
+    }

@@ -1,0 +1,166 @@
+"""The marketplace contract: five verbs, plain dataclasses in and out, typed errors.
+
+Each error maps to one policy in the lifecycle:
+- OfferGone / NoCapacity: take the next offer;
+- RateLimited / Transient: retried here with backoff (Retry-After honoured) before they surface;
+- AuthError / BadRequest / MarketError: stop, after destroying what this attempt created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class MarketError(RuntimeError):
+    """The marketplace answered something we cannot act on."""
+
+
+class OfferGone(MarketError):
+    """The offer was rented or withdrawn between search and create."""
+
+
+class NoCapacity(MarketError):
+    """The offer exists but cannot be rented now."""
+
+
+class RateLimited(MarketError):
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Transient(MarketError):
+    """A 5xx or a broken connection: worth retrying."""
+
+
+class AuthError(MarketError):
+    """The API key was refused."""
+
+
+class BadRequest(MarketError):
+    """The marketplace refused our request as malformed."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    id: int
+    machine_id: int
+    gpu_name: str
+    num_gpus: int
+    gpu_ram_mb: int
+    geolocation: str
+    dph_total: float
+    inet_up_usd_per_gb: float
+    inet_down_usd_per_gb: float
+    reliability: float
+    cuda_max_good: float
+    disk_space_gb: float
+    direct_port_count: int
+    verified: bool
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def country(self) -> str:
+        return self.geolocation.strip()[-2:].upper() if self.geolocation else ""
+
+    @classmethod
+    def from_raw(cls, row: dict[str, Any]) -> Offer:
+        """From a raw vast.ai offer; raises MarketError when a field we filter on is missing."""
+        try:
+            return cls(
+                id=int(row["id"]),
+                machine_id=int(row["machine_id"]),
+                gpu_name=str(row["gpu_name"]),
+                num_gpus=int(row["num_gpus"]),
+                gpu_ram_mb=int(row.get("gpu_ram") or 0),
+                geolocation=str(row.get("geolocation") or ""),
+                dph_total=float(row["dph_total"]),
+                inet_up_usd_per_gb=float(row.get("inet_up_cost") or 0.0),
+                inet_down_usd_per_gb=float(row.get("inet_down_cost") or 0.0),
+                reliability=float(row.get("reliability2", row.get("reliability")) or 0.0),
+                cuda_max_good=float(row.get("cuda_max_good") or 0.0),
+                disk_space_gb=float(row.get("disk_space") or 0.0),
+                direct_port_count=int(row.get("direct_port_count") or 0),
+                verified=row.get("verification", "verified" if row.get("verified") else "") == "verified",
+                raw=row,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise MarketError(f"malformed offer {row.get('id')!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class OfferQuery:
+    """The pool to ask the marketplace for; the quality filters are applied locally (offers.py)."""
+
+    countries: list[str]
+    min_gpu_ram_mb: int = 0
+    allocated_disk_gb: float = 10.0
+    limit: int = 1000
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    image: str
+    disk_gb: float
+    label: str
+    env: dict[str, str]
+    ports: list[int]
+    onstart: str | None = None
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: int
+    status: str | None  # vast.ai's actual_status: None, loading, running, exited, ...
+    status_msg: str | None
+    label: str | None
+    machine_id: int
+    dph_total: float
+    public_ip: str | None
+    ssh_host: str | None  # vast.ai's SSH gateway
+    ssh_port: int | None
+    ports: dict[int, tuple[str, int]]  # container port -> (host ip, host port), once running
+    start_date: float | None
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def ssh_endpoint(self) -> tuple[str, int] | None:
+        """Direct (public IP and the port mapped to 22) when there is one, else the gateway."""
+        if self.public_ip and 22 in self.ports:
+            return self.public_ip, self.ports[22][1]
+        if self.ssh_host and self.ssh_port:
+            return self.ssh_host, self.ssh_port
+        return None
+
+    def service_endpoint(self, container_port: int) -> tuple[str, int] | None:
+        if not self.public_ip or container_port not in self.ports:
+            return None
+        return self.public_ip, self.ports[container_port][1]
+
+
+PENDING = frozenset({None, "created", "loading", "restarting", "rebooting", "scheduling"})
+FAILED = frozenset({"exited", "unknown", "offline", "stopped", "frozen"})
+
+
+class Market(Protocol):
+    url: str
+
+    async def search(self, query: OfferQuery) -> list[Offer]:
+        """Offers matching the query, as the marketplace filters them (no local re-check).
+        Raises MarketError on a malformed answer: an unparseable listing is never "no offers"."""
+
+    async def create(self, offer_id: int, spec: InstanceSpec) -> int:
+        """Rent the offer; return the new instance id. OfferGone when it was taken. Never retried
+        on an ambiguous answer: a retried create can buy twice."""
+
+    async def get(self, instance_id: int) -> Instance | None:
+        """The instance, or None when the marketplace no longer has it."""
+
+    async def list(self, label_prefix: str) -> list[Instance]:
+        """Every instance whose label starts with label_prefix, all pages. Raises MarketError on a
+        malformed listing: it never answers "no instances" for an answer it did not understand."""
+
+    async def destroy(self, instance_id: int) -> None:
+        """Destroy the instance. Idempotent: an instance already gone is success."""
+
+    async def close(self) -> None: ...

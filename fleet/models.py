@@ -1,0 +1,141 @@
+"""The record: every host, attempt, event, offer seen and blacklisted machine, as SQLModel tables.
+
+Schema changes go through alembic migrations in migrations/; these classes and the migrations
+must agree (a test compares them).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class HostState(enum.StrEnum):
+    """One name per state; the order is the path a host takes."""
+
+    CREATING = "creating"  # intent written, create call in flight
+    BOOTING = "booting"  # instance exists, waiting for `running`
+    CONNECTING = "connecting"  # SSH, host key pinned
+    PULLING = "pulling"  # model files with aria2c
+    STARTING = "starting"  # llama-server loading
+    PROBING = "probing"
+    READY = "ready"
+    FAILED = "failed"  # a phase failed; the instance is being or has been destroyed
+    DESTROYING = "destroying"
+    DESTROYED = "destroyed"
+
+
+LIVE_STATES = (
+    HostState.CREATING,
+    HostState.BOOTING,
+    HostState.CONNECTING,
+    HostState.PULLING,
+    HostState.STARTING,
+    HostState.PROBING,
+    HostState.READY,
+    HostState.DESTROYING,
+)
+
+
+class Host(SQLModel, table=True):
+    __tablename__ = "hosts"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True)
+    run_id: str = Field(index=True)
+    model: str = Field(index=True)
+    region: str
+    state: str = Field(index=True, default=HostState.CREATING)
+    provider_url: str
+    label: str
+    instance_id: int | None = Field(default=None, index=True)
+    offer_id: int
+    machine_id: int
+    gpu_name: str
+    num_gpus: int
+    gpu_ram_mb: int
+    geolocation: str
+    dph_total: float
+    inet_up_usd_per_gb: float
+    inet_down_usd_per_gb: float
+    effective_usd_per_hour: float
+    ssh_host: str | None = None
+    ssh_port: int | None = None
+    host_key: str | None = None  # the SSH host key pinned at first connect
+    api_url: str | None = None
+    api_key: str | None = None  # llama-server's key; the database file is private (0600)
+    slots: int = 1
+    created_at: datetime = Field(default_factory=utcnow)
+    running_at: datetime | None = None
+    connected_at: datetime | None = None
+    pulled_at: datetime | None = None
+    started_at: datetime | None = None
+    ready_at: datetime | None = None
+    destroyed_at: datetime | None = None
+    failed_phase: str | None = None
+    failure_reason: str | None = None
+    accrued_usd: float | None = None  # closed cost, set when the host is destroyed
+
+
+class Attempt(SQLModel, table=True):
+    __tablename__ = "attempts"
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(index=True)
+    host_id: int | None = Field(default=None, foreign_key="hosts.id", index=True)
+    model: str
+    offer_id: int
+    machine_id: int
+    dph_total: float
+    inet_usd_per_gb: float
+    started_at: datetime = Field(default_factory=utcnow)
+    ended_at: datetime | None = None
+    outcome: str | None = None  # ready | failed
+    phase: str | None = None
+    reason: str | None = None
+
+
+class Event(SQLModel, table=True):
+    __tablename__ = "events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = Field(default_factory=utcnow, index=True)
+    host_id: int | None = Field(default=None, foreign_key="hosts.id", index=True)
+    kind: str  # intent | answer | info | error
+    action: str  # create | destroy | phase | reconcile ...
+    detail: str = ""
+
+
+class OfferSeen(SQLModel, table=True):
+    __tablename__ = "offers_seen"
+
+    id: int | None = Field(default=None, primary_key=True)
+    seen_at: datetime = Field(default_factory=utcnow, index=True)
+    provider_url: str
+    offer_id: int = Field(index=True)
+    machine_id: int
+    gpu_name: str
+    num_gpus: int
+    geolocation: str
+    dph_total: float
+    inet_up_usd_per_gb: float
+    inet_down_usd_per_gb: float
+    reliability: float
+
+
+class Blacklist(SQLModel, table=True):
+    __tablename__ = "blacklist"
+
+    id: int | None = Field(default=None, primary_key=True)
+    provider_url: str
+    machine_id: int = Field(index=True)
+    phase: str
+    reason: str
+    created_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime
