@@ -29,8 +29,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented 
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
 app.add_typer(cloud_app, name="cloud")
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 StateDir = Annotated[
     Path | None,

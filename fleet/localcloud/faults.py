@@ -51,6 +51,7 @@ class Faults:
     exit_after_s: dict[int, float] = field(default_factory=dict)
     disappear_after_s: dict[int, float] = field(default_factory=dict)
     pull_reset: PullReset | None = None
+    corrupt_files: list[str] = field(default_factory=list)  # hub file names served with one byte flipped
     decode_sag: dict[int, DecodeSag] = field(default_factory=dict)
 
     @classmethod
@@ -67,6 +68,7 @@ class Faults:
             exit_after_s={int(k): float(v) for k, v in data.get("exit_after_s", {}).items()},
             disappear_after_s={int(k): float(v) for k, v in data.get("disappear_after_s", {}).items()},
             pull_reset=PullReset(**data["pull_reset"]) if data.get("pull_reset") else None,
+            corrupt_files=[str(x) for x in data.get("corrupt_files", [])],
             decode_sag={int(k): DecodeSag(**v) for k, v in data.get("decode_sag", {}).items()},
         )
 

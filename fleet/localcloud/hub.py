@@ -114,7 +114,9 @@ class Hub:
         if request.method == "HEAD":
             return response
 
-        reset = self._faults().pull_reset
+        faults = self._faults()
+        corrupt_at = entry.size // 2 if entry.path.name in faults.corrupt_files else None
+        reset = faults.pull_reset
         reset_after = None
         if reset and reset.count > 0 and length > reset.after_bytes:
             reset.count -= 1
@@ -125,6 +127,10 @@ class Hub:
             f.seek(start)
             while sent < length:
                 block = f.read(min(CHUNK, length - sent))
+                offset = start + sent
+                if corrupt_at is not None and offset <= corrupt_at < offset + len(block):
+                    i = corrupt_at - offset
+                    block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1 :]
                 if reset_after is not None and sent + len(block) > reset_after:
                     await response.write(block[: reset_after - sent])
                     if request.transport is not None:

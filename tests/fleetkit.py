@@ -1,0 +1,35 @@
+"""Building a Fleet for tests: the repo's fleet.toml with a private database and short timeouts,
+pointed at the module's local cloud."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fleet import config
+from fleet.app import open_fleet
+from fleet.lifecycle import Fleet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
+    """The repo's fleet.toml, with the database in `tmp` and any section's keys overridden."""
+    base = config.load(ROOT / "fleet.toml")
+    update: dict[str, Any] = {"database": config.Database(path=str(tmp / "fleet.db"))}
+    for name, values in sections.items():
+        current = getattr(base, name)
+        update[name] = current.model_copy(update=values)
+    update.setdefault(
+        "timeouts",
+        base.timeouts.model_copy(update={"create_to_running": 20, "ssh": 20, "pull": 60, "load": 30, "probes": 30}),
+    )
+    return base.model_copy(update=update)
+
+
+@asynccontextmanager
+async def fleet_for(settings: config.Settings) -> AsyncIterator[Fleet]:
+    async with open_fleet(settings) as fleet:
+        yield fleet

@@ -1,0 +1,158 @@
+"""The `fleet` command as a user runs it: exit codes, one-line errors, JSON, secrets kept out."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleet.localcloud import procs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def env(cloud, tmp_path):
+    config = (
+        (ROOT / "fleet.toml")
+        .read_text()
+        .replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp_path}/fleet.db"')
+    )
+    (tmp_path / "fleet.toml").write_text(config)
+    cloud.set_faults({})
+    return {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+
+
+def fleet(env, *args, stdin=subprocess.DEVNULL):
+    return subprocess.run(
+        [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=120, stdin=stdin
+    )
+
+
+def one_line_error(result) -> str:
+    lines = [ln for ln in result.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t.replace("min_reliability = 0.98", "min_reliability = 1.5"), "filters.min_reliability"),
+        (lambda t: t.replace("[caps]", "[caps]\nmax_hots = 3"), "caps.max_hots: unknown key"),
+        (lambda t: t.replace('url = "local"', 'url = "ftp://x"'), "provider.url"),
+        (lambda t: t.replace("slots = 3\n", "slots = 0\n", 1), "models.a4b.slots"),
+        (lambda t: t.replace('"-md", "{file.draft}"', '"-md", "{file.drafty}"'), "{file.drafty} names no file"),
+        (lambda t: t.replace("[filters]", "[filters"), "not valid TOML"),
+        (lambda t: t.replace('"CH", "GB"]', '"CH", "gb"]'), "regions"),
+    ],
+)
+def test_config_errors_name_the_file_and_key_and_exit_2(env, tmp_path, edit, expected):
+    path = tmp_path / "fleet.toml"
+    path.write_text(edit(path.read_text()))
+    result = fleet(env, "status")
+    assert result.returncode == 2
+    line = one_line_error(result)
+    assert str(path) in line and expected in line
+
+
+def test_bad_input_exits_2_and_creates_nothing(env, cloud, tmp_path):
+    cases = [
+        (["up", "--model", "nope", "--region", "eu"], "no model profile 'nope'"),
+        (["up", "--model", "tiny", "--region", "atlantis"], "no region 'atlantis'"),
+        (["up", "--model", "tiny", "--region", "eu", "--count", "0"], "--count must be at least 1"),
+        (["up", "--model", "tiny", "--region", "eu", "--max-price", "-1"], "--max-price must be positive"),
+        (["destroy"], "name the hosts to destroy, or pass --all"),
+        (["destroy", "--all"], "refusing to destroy every host without --yes"),
+        (["destroy", "no-such-host"], "no such host: no-such-host"),
+        (["offers", "--model", "nope", "--region", "eu"], "no model profile"),
+    ]
+    for args, message in cases:
+        result = fleet(env, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in one_line_error(result), args
+    assert cloud.state()["instances"] == {}
+    assert not (tmp_path / "fleet.db").exists() or json.loads(fleet(env, "status", "--all", "--json").stdout) == []
+
+
+def test_missing_config_file_exits_2(env, tmp_path):
+    result = fleet({**env, "FLEET_CONFIG": str(tmp_path / "absent.toml")}, "status")
+    assert result.returncode == 2 and "no such config file" in one_line_error(result)
+
+
+def test_offers_json_has_ranked_offers_and_the_funnel(env):
+    result = fleet(env, "offers", "--model", "tiny", "--region", "eu", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    offers = data["offers"]
+    assert offers and {
+        "id",
+        "machine_id",
+        "gpu_name",
+        "num_gpus",
+        "geolocation",
+        "dph_total",
+        "effective_usd_per_hour",
+    } <= set(offers[0])
+    prices = [o["effective_usd_per_hour"] for o in offers]
+    assert prices == sorted(prices)
+    removed = {r["filter"].split(" ")[0]: r["count"] for r in data["funnel"]["removed"]}
+    # the synthetic snapshot carries one offer failing each filter
+    assert removed["reliability"] >= 1 and removed["CUDA"] >= 1 and removed["disk"] >= 1
+    assert removed["direct"] >= 1 and removed["traffic"] >= 1 and removed["verified"] >= 1
+
+
+def test_offers_save_writes_a_raw_snapshot(env, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet.cli", "offers", "-m", "tiny", "-r", "eu", "--save", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    saved = tmp_path / json.loads(result.stdout)["saved"]
+    rows = json.loads(saved.read_text())
+    assert rows and "dph_total" in rows[0] and "machine_id" in rows[0] and "gpu_ids" in rows[0]
+
+
+def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
+    up = fleet(env, "up", "--model", "tiny", "--region", "eu", "--count", "2")
+    assert up.returncode == 0, up.stderr
+    assert "READY" in up.stdout
+    status = json.loads(fleet(env, "status", "--json").stdout)
+    assert [h["state"] for h in status] == ["ready", "ready"]
+    endpoints = json.loads(fleet(env, "endpoints", "--json").stdout)
+    assert len(endpoints) == 2 and all("api_key" not in e for e in endpoints)
+    assert all({"url", "model", "slots"} <= set(e) for e in endpoints)
+    with_keys = json.loads(fleet(env, "endpoints", "--json", "--show-keys").stdout)
+    keys = [e["api_key"] for e in with_keys]
+    assert all(keys)
+    for key in keys:  # the secret appeared only where asked for
+        assert key not in up.stdout + up.stderr
+        for pid in procs.pids_with_marker(cloud.state()["instances"][str(status[0]["instance_id"])]["token"]):
+            assert key not in Path(f"/proc/{pid}/cmdline").read_text()
+    tokens = [i["token"] for i in cloud.state()["instances"].values()]
+
+    destroyed = fleet(env, "destroy", "--all", "--yes", "--json")
+    assert destroyed.returncode == 0, destroyed.stderr
+    assert {h["state"] for h in json.loads(destroyed.stdout)} == {"destroyed"}
+    assert cloud.state()["instances"] == {}
+    assert all(procs.pids_with_marker(t) == [] for t in tokens)
+    again = fleet(env, "destroy", "--all", "--yes")
+    assert again.returncode == 0 and "nothing to destroy" in again.stdout
+    assert json.loads(fleet(env, "status", "--json").stdout) == []
+
+
+def test_up_that_cannot_succeed_exits_1(env, cloud):
+    result = fleet(env, "up", "--model", "tiny", "--region", "eu", "--max-price", "0.01")
+    assert result.returncode == 1
+    assert "not up:" in result.stderr
+    assert cloud.state()["instances"] == {}

@@ -1,0 +1,204 @@
+"""`fleet up` end to end on the local cloud: real sshd, aria2c, llama-server, SQLite."""
+
+import asyncio
+import os
+import stat
+
+import httpx
+import pytest
+
+from fleet.lifecycle import UpRequest
+from fleet.localcloud import procs
+from fleet.models import HostState
+from tests.fleetkit import fleet_for, settings_for
+
+
+@pytest.fixture(autouse=True)
+def local_cloud_env(cloud, monkeypatch):
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+    cloud.set_faults({})
+    yield
+    cloud.set_faults({})
+
+
+async def live_instances(cloud) -> list[dict]:
+    async with cloud.client() as api:
+        return (await api.get("/api/v1/instances/")).json()["instances"]
+
+
+async def ranked_offers(settings) -> list:
+    async with fleet_for(settings) as fleet:
+        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed
+
+
+async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert [h.state for h in result.ready] == [HostState.READY]
+        host = result.ready[0]
+        assert host.host_key and host.api_key and host.api_url
+        assert host.geolocation[-2:] in settings.regions["eu"]
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with httpx.AsyncClient(base_url=host.api_url, timeout=10) as client:
+            ok = await client.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {host.api_key}"}
+            )
+            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
+
+        status = fleet.status()
+        assert status[0]["state"] == "ready" and status[0]["instance_id"] == host.instance_id
+        assert {
+            "id",
+            "state",
+            "model",
+            "region",
+            "instance_id",
+            "machine_id",
+            "dph_total",
+            "accrued_usd",
+            "endpoint",
+        } <= set(status[0])
+        events = [(e.kind, e.action) for e in fleet.record.events(host.id)]
+        assert events.index(("intent", "create")) < events.index(("answer", "create"))
+        assert ("info", "probe:smoke") in events
+
+        mode = stat.S_IMODE(os.stat(settings.database.file).st_mode)
+        assert mode == 0o600
+        assert stat.S_IMODE(os.stat(settings.database.file.parent / "ssh" / "id_ed25519").st_mode) == 0o600
+
+        done = await fleet.destroy([host.name])
+        assert done[0].state == HostState.DESTROYED and done[0].accrued_usd > 0
+        again = await fleet.destroy([host.name])  # idempotent
+        assert again[0].state == HostState.DESTROYED
+    assert await live_instances(cloud) == []
+
+
+async def test_offer_vanishing_at_create_moves_to_the_next_without_a_duplicate(cloud, tmp_path):
+    settings = settings_for(tmp_path)
+    first = (await ranked_offers(settings))[0]
+    cloud.set_faults({"vanish_at_create": [first.id]})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert len(result.ready) == 1
+        assert [a.outcome for a in result.attempts] == ["failed", "ready"]
+        assert result.attempts[0].offer_id == first.id and "offer gone" in result.attempts[0].reason
+        assert result.ready[0].offer_id != first.id
+        assert first.machine_id not in fleet.record.blacklisted_machines(fleet.market.url, fleet_now())
+        assert len(await live_instances(cloud)) == 1
+        await fleet.destroy(None)
+    assert await live_instances(cloud) == []
+
+
+def fleet_now():
+    from fleet.models import utcnow
+
+    return utcnow()
+
+
+async def test_host_stuck_in_loading_is_destroyed_blacklisted_and_replaced(cloud, tmp_path):
+    settings = settings_for(tmp_path)
+    stuck = (await ranked_offers(settings))[0]
+    cloud.set_faults({"stuck_loading": [stuck.machine_id]})
+    settings = settings_for(tmp_path, timeouts={"create_to_running": 2.0})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert len(result.ready) == 1
+        failed = result.attempts[0]
+        assert (failed.offer_id, failed.phase) == (stuck.id, "boot") and "loading" in failed.reason
+        blacklist = fleet.record.blacklist()
+        assert [(b.machine_id, b.phase) for b in blacklist] == [(stuck.machine_id, "boot")]
+        failed_host = fleet.record.hosts(names=[failed.host])[0]
+        assert failed_host.state == HostState.FAILED and failed_host.destroyed_at is not None
+        assert len(await live_instances(cloud)) == 1
+        await fleet.destroy(None)
+
+
+async def test_pull_reset_mid_file_is_resumed_and_verified(cloud, tmp_path):
+    cloud.set_faults({"pull_reset": {"after_bytes": 100_000, "count": 2}})
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert len(result.ready) == 1 and len(result.attempts) == 1
+        async with cloud.client() as api:
+            assert (await api.get("/admin/faults")).json()["pull_reset"]["count"] == 0
+        await fleet.destroy(None)
+
+
+async def test_corrupted_file_fails_the_host_in_pull(cloud, tmp_path):
+    cloud.set_faults({"corrupt_files": ["tiny-llama-bytes.gguf"]})
+    settings = settings_for(tmp_path, up={"max_attempts": 2})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert result.ready == []
+        assert [(a.phase, "sha256 mismatch" in a.reason) for a in result.attempts] == [("pull", True)] * 2
+        assert "gave up after 2 attempts" in result.failures[0]
+        assert len(fleet.record.blacklist()) == 2
+    assert await live_instances(cloud) == []
+
+
+async def test_count_three_comes_up_concurrently_on_distinct_machines(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu", count=3))
+        assert len(result.ready) == 3
+        assert len({h.machine_id for h in result.ready}) == 3
+        assert len({h.api_url for h in result.ready}) == 3
+        tokens = [i["token"] for i in cloud.state()["instances"].values()]
+        done = await fleet.destroy(None)
+        assert {h.state for h in done} == {HostState.DESTROYED}
+    assert await live_instances(cloud) == []
+    assert all(procs.pids_with_marker(t) == [] for t in tokens)
+
+
+async def test_caps_refuse_a_create(cloud, tmp_path):
+    settings = settings_for(tmp_path, caps={"max_hosts_total": 1})
+    async with fleet_for(settings) as fleet:
+        first = await fleet.up(UpRequest("tiny", "eu"))
+        assert len(first.ready) == 1
+        second = await fleet.up(UpRequest("tiny", "eu"))
+        assert second.ready == [] and second.attempts == []
+        assert "caps.max_hosts_total = 1" in second.failures[0]
+        assert len(await live_instances(cloud)) == 1
+        await fleet.destroy(None)
+    settings = settings_for(tmp_path, caps={"max_usd_per_hour": 0.1})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert result.ready == [] and "caps.max_usd_per_hour" in result.failures[0]
+    assert await live_instances(cloud) == []
+
+
+async def test_dry_run_rents_nothing(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu", count=2, dry_run=True))
+        assert result.planned and result.attempts == []
+        assert fleet.record.hosts() == []
+    assert await live_instances(cloud) == []
+
+
+async def test_reconcile_destroys_strays_and_marks_vanished_hosts(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        host = result.ready[0]
+        async with cloud.client() as api:
+            offer = (
+                await api.post("/api/v0/bundles/", json={"rented": {"eq": False}, "order": [["dph_total", "asc"]]})
+            ).json()["offers"][0]
+            stray = (
+                await api.put(
+                    f"/api/v0/asks/{offer['id']}/", json={"image": "x", "disk": 20, "label": "fleet:lost-one"}
+                )
+            ).json()["new_contract"]
+            await api.delete(f"/api/v0/instances/{host.instance_id}/")  # vanished behind our back
+        report = await fleet.reconcile()
+        assert report["gone"] == [host.name] and report["strays_destroyed"] == [stray]
+        assert fleet.record.hosts(names=[host.name])[0].state == HostState.DESTROYED
+    assert await live_instances(cloud) == []
+
+
+async def test_concurrent_bring_ups_share_the_event_loop(cloud, tmp_path):
+    """Two independent `up` calls at once: both succeed, no machine rented twice."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        a, b = await asyncio.gather(fleet.up(UpRequest("tiny", "eu")), fleet.up(UpRequest("tiny", "eu")))
+        hosts = a.ready + b.ready
+        assert len(hosts) == 2 and hosts[0].machine_id != hosts[1].machine_id
+        await fleet.destroy(None)
