@@ -30,6 +30,8 @@ cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-c
 app.add_typer(cloud_app, name="cloud")
 
 out = Console(soft_wrap=True)
+if not out.is_terminal:
+    out = Console(soft_wrap=True, width=160)  # piped or captured: no terminal width to fit
 err = Console(stderr=True, soft_wrap=True)
 
 StateDir = Annotated[
@@ -266,18 +268,16 @@ def status_cmd(
         out.print("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
         return
     table = Table()
-    for column in ("name", "state", "model", "region", "instance", "machine", "GPU", "$/h", "cost $", "endpoint"):
-        table.add_column(column)
+    for column in ("name", "state", "instance", "GPU", "where", "$/h", "cost $", "endpoint"):
+        table.add_column(column, no_wrap=True)
     for h in hosts:
         table.add_row(
             h["name"],
             h["state"],
-            h["model"],
-            h["region"],
             str(h["instance_id"] or "-"),
-            str(h["machine_id"]),
             h["gpu_name"],
-            f"{h['dph_total']:.4f}",
+            h["geolocation"][-2:],
+            f"{h['dph_total']:.3f}",
             f"{h['accrued_usd']:.4f}",
             h["endpoint"] or "-",
         )

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from fleet.localcloud import control, procs, toolchain
+from tests.helpers import processes_mentioning
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +63,7 @@ def _stop_and_check(handle: CloudHandle) -> None:
     control.stop(handle.info.state_dir)
     leftovers = {t: procs.pids_with_marker(t) for t in tokens}
     assert not any(leftovers.values()), f"host processes left running: {leftovers}"
+    assert processes_mentioning(handle.info.state_dir) == [], "processes of the local cloud left running"
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from fleet.localcloud import procs
 
 TINY_REPO = "fleet-local/tiny-models"
 
@@ -55,3 +59,23 @@ async def wait_status(
 async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:
     r = await api.delete(f"/api/v0/instances/{instance_id}/")
     assert r.status_code in (200, 404), r.text
+
+
+def processes_mentioning(path: Path) -> list[int]:
+    """PIDs whose command line names `path` (a host's sshd names its config file in the state dir)."""
+    needle = str(path).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def host_processes(state_dir: Path, instance_id: int | str, token: str) -> list[int]:
+    """Every process of a local host still running: by its marker, or naming its directory (sshd)."""
+    directory = Path(state_dir) / "hosts" / str(instance_id)
+    return sorted(set(procs.pids_with_marker(token)) | set(processes_mentioning(Path(str(directory) + "/"))))

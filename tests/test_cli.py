@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fleet.localcloud import procs
+from tests.helpers import host_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,13 +140,13 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
         assert key not in up.stdout + up.stderr
         for pid in procs.pids_with_marker(cloud.state()["instances"][str(status[0]["instance_id"])]["token"]):
             assert key not in Path(f"/proc/{pid}/cmdline").read_text()
-    tokens = [i["token"] for i in cloud.state()["instances"].values()]
+    tokens = [(i, v["token"]) for i, v in cloud.state()["instances"].items()]
 
     destroyed = fleet(env, "destroy", "--all", "--yes", "--json")
     assert destroyed.returncode == 0, destroyed.stderr
     assert {h["state"] for h in json.loads(destroyed.stdout)} == {"destroyed"}
     assert cloud.state()["instances"] == {}
-    assert all(procs.pids_with_marker(t) == [] for t in tokens)
+    assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
     again = fleet(env, "destroy", "--all", "--yes")
     assert again.returncode == 0 and "nothing to destroy" in again.stdout
     assert json.loads(fleet(env, "status", "--json").stdout) == []

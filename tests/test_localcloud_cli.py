@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from fleet.localcloud import control, procs
+from tests.helpers import host_processes
 
 FLEET = [sys.executable, "-m", "fleet.cli"]
 
@@ -51,7 +52,7 @@ def test_instances_survive_a_restart_and_come_back_running(tmp_path, llama_serve
         token = json.loads((state / "state.json").read_text())["instances"][str(instance_id)]["token"]
         assert procs.pids_with_marker(token) or control.find(state)
         control.stop(state)
-        assert procs.pids_with_marker(token) == []  # stopping the cloud ends the hosts' processes
+        assert host_processes(state, instance_id, token) == []  # stopping the cloud ends the hosts' processes
 
         info = control.start(state, provision_delay_s=0.1, loading_delay_s=0.1)
         deadline = time.monotonic() + 15

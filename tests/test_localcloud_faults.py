@@ -7,8 +7,7 @@ import time
 import httpx
 import pytest
 
-from fleet.localcloud import procs
-from tests.helpers import cheapest_offer, destroy, rent, wait_status
+from tests.helpers import cheapest_offer, destroy, host_processes, rent, wait_status
 from tests.test_localcloud_hosts import connect, hub_file
 
 
@@ -79,7 +78,7 @@ async def test_host_exits_after_a_delay(cloud, api):
         token = cloud.state()["instances"][str(instance_id)]["token"]
         row = await wait_status(api, instance_id, "exited")
         assert row["status_msg"]
-        assert procs.pids_with_marker(token) == []
+        assert host_processes(cloud.info.state_dir, instance_id, token) == []
     finally:
         await destroy(api, instance_id)
 
@@ -91,7 +90,7 @@ async def test_host_disappears_after_a_delay(cloud, api):
     await wait_status(api, instance_id, "running")
     token = cloud.state()["instances"][str(instance_id)]["token"]
     assert await wait_status(api, instance_id, None) is None
-    assert procs.pids_with_marker(token) == []
+    assert host_processes(cloud.info.state_dir, instance_id, token) == []
     assert (await api.delete(f"/api/v0/instances/{instance_id}/")).status_code == 404
 
 

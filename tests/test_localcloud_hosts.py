@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from fleet.localcloud import procs
-from tests.helpers import TINY_REPO, cheapest_offer, destroy, rent, wait_status
+from tests.helpers import TINY_REPO, cheapest_offer, destroy, host_processes, rent, wait_status
 
 
 async def hub_file(cloud, filename: str) -> tuple[str, str, int]:
@@ -112,7 +112,7 @@ async def test_pull_serve_and_chat_then_destroy_leaves_nothing(cloud, api, host,
 
     assert len(procs.pids_with_marker(host["token"])) >= 2  # at least the onstart sleep and llama-server
     await destroy(api, host["id"])
-    assert procs.pids_with_marker(host["token"]) == []
+    assert host_processes(cloud.info.state_dir, host["id"], host["token"]) == []
     assert not (cloud.info.state_dir / "hosts" / str(host["id"])).exists()
     with pytest.raises(httpx.TransportError):
         async with httpx.AsyncClient(timeout=2) as client:

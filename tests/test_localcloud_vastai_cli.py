@@ -4,7 +4,7 @@ import json
 import subprocess
 import time
 
-from fleet.localcloud import procs
+from tests.helpers import host_processes
 
 
 def vastai(vastai_bin, env, cloud, *args: str) -> subprocess.CompletedProcess:
@@ -80,4 +80,4 @@ def test_vastai_cli_search_create_show_destroy(cloud, vastai_bin, vastai_env, ss
     assert destroyed.returncode == 0, destroyed.stderr
     gone = vastai(vastai_bin, vastai_env, cloud, "show", "instance", str(instance_id))
     assert "not found" in gone.stdout + gone.stderr
-    assert procs.pids_with_marker(token) == []
+    assert host_processes(cloud.info.state_dir, instance_id, token) == []

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from fleet.lifecycle import UpRequest
-from fleet.localcloud import procs
 from fleet.models import HostState
 from tests.fleetkit import fleet_for, settings_for
+from tests.helpers import host_processes
 
 
 @pytest.fixture(autouse=True)
@@ -143,11 +143,11 @@ async def test_count_three_comes_up_concurrently_on_distinct_machines(cloud, tmp
         assert len(result.ready) == 3
         assert len({h.machine_id for h in result.ready}) == 3
         assert len({h.api_url for h in result.ready}) == 3
-        tokens = [i["token"] for i in cloud.state()["instances"].values()]
+        tokens = [(i, v["token"]) for i, v in cloud.state()["instances"].items()]
         done = await fleet.destroy(None)
         assert {h.state for h in done} == {HostState.DESTROYED}
     assert await live_instances(cloud) == []
-    assert all(procs.pids_with_marker(t) == [] for t in tokens)
+    assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
 
 
 async def test_caps_refuse_a_create(cloud, tmp_path):

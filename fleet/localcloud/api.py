@@ -105,7 +105,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def destroy(request: web.Request) -> web.Response:
         instance_id = _int_param(request, "id")
         await request.read()
-        cloud.destroy(instance_id)
+        await cloud.destroy(instance_id)
         return json_response({"success": True, "msg": f"Instance {instance_id} destroyed."})
 
     async def legacy_list(request: web.Request) -> web.Response:

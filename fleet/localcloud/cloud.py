@@ -111,6 +111,7 @@ class Cloud:
         self.faults = self._load_faults()
         self.dice = FaultDice()
         self._tasks: dict[int, list[asyncio.Task]] = {}
+        self._hosts: dict[int, LocalHost] = {}
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -276,18 +277,24 @@ class Cloud:
         return instance_id
 
     def host_for(self, inst: Instance) -> LocalHost:
-        return LocalHost(
-            directory=self.state_dir / "hosts" / str(inst.id),
-            token=inst.token,
-            ssh_port=inst.ssh_port,
-            llama_server=self.settings.llama_server,
-        )
+        """The instance's host; one object per instance, so it remembers the PIDs it spawned."""
+        if inst.id not in self._hosts:
+            self._hosts[inst.id] = LocalHost(
+                directory=self.state_dir / "hosts" / str(inst.id),
+                token=inst.token,
+                ssh_port=inst.ssh_port,
+                llama_server=self.settings.llama_server,
+            )
+        return self._hosts[inst.id]
 
     def start_host(self, inst: Instance) -> None:
         """Boot the instance's host: null -> loading -> running, as the faults allow."""
-        self._tasks.setdefault(inst.id, []).append(asyncio.get_running_loop().create_task(self._boot(inst)))
+        boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
+        self._tasks.setdefault(inst.id, []).append(boot)
 
     async def _boot(self, inst: Instance) -> None:
+        # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
+        # the boot looks whether the instance was destroyed meanwhile and, if so, ends what it started.
         await asyncio.sleep(self.settings.provision_delay_s)
         if inst.id not in self.state.instances:
             return
@@ -300,16 +307,24 @@ class Cloud:
             env[f"VAST_{proto.upper()}_PORT_{number}"] = str(port)
         env["CONTAINER_ID"] = f"C.{inst.id}"
         env["PUBLIC_IPADDR"] = "127.0.0.1"
-        try:
-            await asyncio.to_thread(host.prepare, env, [k["public_key"] for k in self.state.ssh_keys])
-            await asyncio.to_thread(host.start_sshd)
-            if inst.onstart:
-                await asyncio.to_thread(host.run_onstart, inst.onstart)
-        except HostError as e:
-            log.error("instance %s failed to boot: %s", inst.id, e)
-            inst.status, inst.status_msg = "exited", f"Error: {e}"
-            self.save()
-            return
+        steps = [
+            lambda: host.prepare(env, [k["public_key"] for k in self.state.ssh_keys]),
+            host.start_sshd,
+            *([lambda: host.run_onstart(inst.onstart)] if inst.onstart else []),
+        ]
+        for step in steps:
+            try:
+                await asyncio.to_thread(step)
+            except HostError as e:
+                log.error("instance %s failed to boot: %s", inst.id, e)
+                inst.status, inst.status_msg = "exited", f"Error: {e}"
+                self.save()
+                return
+            finally:
+                if inst.id not in self.state.instances:
+                    await asyncio.to_thread(host.remove)
+            if inst.id not in self.state.instances:
+                return
         if inst.machine_id in self.faults.stuck_loading:
             return
         await asyncio.sleep(self.settings.loading_delay_s)
@@ -318,7 +333,8 @@ class Cloud:
         inst.status, inst.status_msg = "running", f"success, running {inst.image}"
         inst.running_at = time.time()
         self.save()
-        self._tasks[inst.id].append(asyncio.get_running_loop().create_task(self._watch(inst)))
+        watch = asyncio.get_running_loop().create_task(self._watch(inst), name=f"watch-{inst.id}")
+        self._tasks.setdefault(inst.id, []).append(watch)
 
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
@@ -333,7 +349,7 @@ class Cloud:
                 return
             vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
             if vanish_after is not None and running_for >= vanish_after:
-                await asyncio.to_thread(self._forget, inst.id)
+                await self._forget(inst.id)
                 return
             sag = self.faults.decode_sag.get(inst.machine_id)
             share = sag.stop_share(running_for) if sag else 0.0
@@ -419,19 +435,21 @@ class Cloud:
             return {"success": True}
         raise ApiError(400, "invalid_args", "Invalid args: nothing to change")
 
-    def destroy(self, instance_id: int) -> None:
+    async def destroy(self, instance_id: int) -> None:
         if instance_id not in self.state.instances:
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
-        self._forget(instance_id)
+        await self._forget(instance_id)
 
-    def _forget(self, instance_id: int) -> None:
+    async def _forget(self, instance_id: int) -> None:
+        """Remove the instance: its boot and watch tasks, every process of its host, its directory."""
         inst = self.state.instances.pop(instance_id, None)
         if inst is None:
             return
         for task in self._tasks.pop(instance_id, []):
-            if task is not asyncio.current_task():
+            if task is not asyncio.current_task() and task.get_name().startswith("watch-"):
                 task.cancel()
-        self.host_for(inst).remove()
+        await asyncio.to_thread(self.host_for(inst).remove)
+        self._hosts.pop(instance_id, None)
         now = time.time()
         for charge in self.state.charges:
             if charge.instance_id == instance_id and charge.end is None:
@@ -637,8 +655,11 @@ class Cloud:
         for tasks in self._tasks.values():
             for task in tasks:
                 task.cancel()
+        # A boot step already in a thread still finishes (and may start sshd): wait for those threads,
+        # then end every host's processes.
+        await asyncio.get_running_loop().shutdown_default_executor()
         for inst in self.state.instances.values():
-            await asyncio.to_thread(self.host_for(inst).stop)
+            self.host_for(inst).stop()
         self.save()
 
 

@@ -13,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.localcloud import procs
@@ -49,6 +49,7 @@ class LocalHost:
     ssh_port: int
     llama_server: Path | None
     listen_host: str = "127.0.0.1"
+    roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
 
     @property
     def root(self) -> Path:
@@ -142,6 +143,7 @@ class LocalHost:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.roots.append(process.pid)
         return process.pid
 
     def start_sshd(self, timeout_s: float = 10.0) -> int:
@@ -181,14 +183,16 @@ class LocalHost:
             return None
         return pid if str(self.etc / "sshd_config").encode() in cmdline else None
 
-    def processes(self) -> list[int]:
+    def _roots(self) -> list[int]:
         sshd = self.sshd_pid()
-        return procs.host_pids(self.token, [sshd] if sshd else [])
+        return [*self.roots, *([sshd] if sshd else [])]
+
+    def processes(self) -> list[int]:
+        return procs.host_pids(self.token, self._roots())
 
     def stop(self) -> int:
         """End every process of the host; return how many there were."""
-        sshd = self.sshd_pid()
-        return procs.end_host_processes(self.token, [sshd] if sshd else [])
+        return procs.end_host_processes(self.token, self._roots())
 
     def remove(self) -> None:
         self.stop()
