@@ -79,3 +79,16 @@ def host_processes(state_dir: Path, instance_id: int | str, token: str) -> list[
     """Every process of a local host still running: by its marker, or naming its directory (sshd)."""
     directory = Path(state_dir) / "hosts" / str(instance_id)
     return sorted(set(procs.pids_with_marker(token)) | set(processes_mentioning(Path(str(directory) + "/"))))
+
+
+async def wait_health(client: httpx.AsyncClient, timeout_s: float = 10.0) -> None:
+    """Poll llama-server's /health (on the client's base URL) until it answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{client.base_url} never became healthy")

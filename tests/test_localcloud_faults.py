@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import cheapest_offer, destroy, host_processes, rent, wait_status
+from tests.helpers import cheapest_offer, destroy, host_processes, rent, wait_health, wait_status
 from tests.test_localcloud_hosts import connect, hub_file
 
 
@@ -141,13 +141,7 @@ async def test_decode_sag_slows_the_llama_server_over_time(cloud, api, ssh_keypa
                 check=True,
             )
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            for _ in range(100):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.05)
+            await wait_health(client)
             assert time.monotonic() - started < 2.5, "too slow to measure the cold rate before the sag"
             cold = await decode_rate(client, "k")
             await asyncio.sleep(max(0.0, 5.5 - (time.monotonic() - started)))

@@ -1,7 +1,6 @@
 """A rented local host is a real machine: sshd with the account key, the image's host scripts,
 aria2c pulling from the hub, llama-server answering; destroy leaves nothing running."""
 
-import asyncio
 import secrets
 import shlex
 from pathlib import Path
@@ -11,7 +10,7 @@ import httpx
 import pytest
 
 from fleet.localcloud import procs
-from tests.helpers import TINY_REPO, cheapest_offer, destroy, host_processes, rent, wait_status
+from tests.helpers import TINY_REPO, cheapest_offer, destroy, host_processes, rent, wait_health, wait_status
 
 
 async def hub_file(cloud, filename: str) -> tuple[str, str, int]:
@@ -97,13 +96,7 @@ async def test_pull_serve_and_chat_then_destroy_leaves_nothing(cloud, api, host,
 
     base = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=base, timeout=10) as client:
-        for _ in range(100):
-            try:
-                if (await client.get("/health")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
+        await wait_health(client)
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
         r = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"})
         assert r.status_code == 200
