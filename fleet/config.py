@@ -6,7 +6,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -95,6 +95,18 @@ class ModelFile(Strict):
     revision: str = "main"
 
 
+class ProfileProbes(Strict):
+    """How big the probes' conversations are for this model (a real card vs the tiny CPU model)."""
+
+    system_chars: Annotated[int, Field(ge=0)] = 28000  # ~7k tokens of system prompt, as a voice agent sends
+    turns: Annotated[int, Field(ge=2)] = 4
+    reply_tokens: Annotated[int, Field(ge=1)] = 32
+    rewrite_reply_tokens: Annotated[int, Field(ge=0)] = 300  # 0: skip the rewritten-turn check
+    thermal_seconds: Annotated[float, Field(gt=0)] = 300
+    thermal_interval_s: Annotated[float, Field(gt=0)] = 5
+    thermal_tokens: Annotated[int, Field(ge=8)] = 256
+
+
 class Profile(Strict):
     name: str = ""
     description: str = ""
@@ -105,6 +117,7 @@ class Profile(Strict):
     traffic_gb_per_hour: Traffic = Traffic()
     files: Annotated[list[ModelFile], Field(min_length=1)]
     args: list[str] = []
+    probes: ProfileProbes = ProfileProbes()
 
     @model_validator(mode="after")
     def _files(self) -> Profile:
@@ -123,6 +136,17 @@ class Profile(Strict):
         return self
 
 
+class Probes(Strict):
+    """Which probes gate READY, and their thresholds."""
+
+    on_up: list[Literal["smoke", "cache", "keepalive", "thermal"]] = ["smoke", "cache", "keepalive", "thermal"]
+    keepalive_gate: bool = False  # a server that closes after every streamed reply fails READY
+    prompt_allowance_tokens: Annotated[int, Field(ge=0)] = 24  # template glue beyond the appended text
+    thermal_min_share: Annotated[float, Field(gt=0, le=1)] = 0.8  # one-caller rate now / cold
+    thermal_max_gpu_c: Annotated[float, Field(gt=0)] = 87
+    thermal_max_memory_c: Annotated[float, Field(gt=0)] = 95
+
+
 class Settings(Strict):
     source: Path = Path(DEFAULT_CONFIG)
     provider: Provider
@@ -133,6 +157,7 @@ class Settings(Strict):
     timeouts: Timeouts = Timeouts()
     caps: Caps = Caps()
     up: Up = Up()
+    probes: Probes = Probes()
     models: dict[str, Profile]
 
     @field_validator("regions")

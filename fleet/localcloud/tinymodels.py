@@ -4,7 +4,8 @@ Generated deterministically with the `gguf` package: the same name always gives 
 (and so the same sha256 the hub advertises). Three architectures, because the cache traps differ:
 - `tiny`: llama, plain attention (the default test model);
 - `tiny-swa`: gemma2 with a 16-token sliding window (SWA cache loss with --ctx-checkpoints 0);
-- `tiny-recurrent`: mamba, a recurrent state (same trap, other cause).
+- `tiny-recurrent`: mamba, a recurrent state (same trap, other cause);
+- `tiny-rewrite`: `tiny` with a chat template that trims the model's replies (the template trap).
 All share a 356-token byte-level SPM vocabulary with a ChatML template. The output rows of the
 control and byte tokens are zero, so sampling mostly yields printable ASCII.
 """
@@ -26,6 +27,19 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The cache trap of DOMAIN.md: a template that rewrites what the model said (here: trims the reply), so
+# the next turn's prompt no longer starts with what the server has cached.
+REWRITING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' + ((message['content'] or '') | trim) + '<|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 CONTROL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 N_EMBD = 64
 N_LAYER = 2
@@ -41,12 +55,14 @@ class TinyModel:
     name: str
     arch: str
     filename: str
+    template: str = CHATML_TEMPLATE
 
 
 MODELS: dict[str, TinyModel] = {
     "tiny": TinyModel("tiny", "llama", "tiny-llama-bytes.gguf"),
     "tiny-swa": TinyModel("tiny-swa", "gemma2", "tiny-gemma2-swa16.gguf"),
     "tiny-recurrent": TinyModel("tiny-recurrent", "mamba", "tiny-mamba.gguf"),
+    "tiny-rewrite": TinyModel("tiny-rewrite", "llama", "tiny-llama-rewriting-template.gguf", REWRITING_TEMPLATE),
 }
 
 
@@ -62,7 +78,7 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def _add_vocab(writer: gguf.GGUFWriter) -> int:
+def _add_vocab(writer: gguf.GGUFWriter, template: str) -> int:
     tokens, scores, types = _vocab()
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -74,7 +90,7 @@ def _add_vocab(writer: gguf.GGUFWriter) -> int:
     writer.add_eot_token_id(4)
     writer.add_add_space_prefix(False)
     writer.add_add_bos_token(True)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(template)
     return len(tokens)
 
 
@@ -191,7 +207,7 @@ def generate(name: str, path: Path, seed: int = 1234) -> Path:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), model.arch)
     writer.add_name(model.name)
-    n_vocab = _add_vocab(writer)
+    n_vocab = _add_vocab(writer, model.template)
     _WRITERS[model.arch](writer, np.random.default_rng(seed), n_vocab)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

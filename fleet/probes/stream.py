@@ -1,0 +1,247 @@
+"""A raw HTTP/1.1 client for llama-server's streamed chat completions, with the timing every probe shares.
+
+The timer starts before the TCP connect (when the request needs a new connection) and stops at
+the first non-empty `content` delta of the SSE stream: role-only chunks, empty deltas, reasoning and
+tool-call deltas do not count. Connect, time to headers, first content and total are kept apart.
+It is a plain socket client on purpose: it must see exactly when the server closes a connection,
+which a pooling HTTP library hides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+CLOSE_CHECK_S = 0.05
+
+
+class StreamError(RuntimeError):
+    pass
+
+
+class SseParser:
+    """Incremental SSE parsing: feed bytes as they arrive, get whole events' data back.
+
+    Events may be split anywhere across reads; comment lines (`:` ...) and fields other than
+    `data` are skipped; several `data` lines of one event are joined with newlines.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buffer += chunk
+        events = []
+        while True:
+            cut = self._buffer.find(b"\n")
+            if cut < 0:
+                return events
+            raw, self._buffer = self._buffer[:cut], self._buffer[cut + 1 :]
+            line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
+            if line == "":
+                if self._data:
+                    events.append("\n".join(self._data))
+                    self._data = []
+            elif line.startswith(":"):
+                continue
+            elif line.startswith("data:"):
+                self._data.append(line[5:].removeprefix(" "))
+
+
+@dataclass
+class Timing:
+    connect_ms: float | None  # None when the request reused an open connection
+    headers_ms: float
+    first_content_ms: float | None
+    total_ms: float
+    reused: bool
+
+
+@dataclass
+class ChatResult:
+    status: int
+    timing: Timing
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: int = 0
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    server_timings: dict[str, Any] = field(default_factory=dict)
+    events: int = 0
+    error: str | None = None
+    server_closed: bool = False  # the server closed the connection after this response
+
+    def as_response(self) -> dict[str, Any]:
+        """The shape of a non-streamed response, for verdicts written against that."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        return {
+            "choices": [{"message": message, "finish_reason": self.finish_reason}],
+            "usage": self.usage,
+            "timings": self.server_timings,
+        }
+
+
+class Connection:
+    """One client connection to a llama-server, reopened only when the server closed it."""
+
+    def __init__(self, base_url: str, api_key: str | None) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise StreamError(f"only http:// URLs are supported, not {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.api_key = api_key
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self.opened = 0  # how many TCP connections this object has made
+
+    @property
+    def is_open(self) -> bool:
+        return self._reader is not None and not self._reader.at_eof() and self._writer is not None
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        self._reader = self._writer = None
+
+    async def _ensure_open(self) -> float | None:
+        if self.is_open:
+            return None
+        await self.close()
+        started = time.perf_counter()
+        self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        self.opened += 1
+        return (time.perf_counter() - started) * 1000
+
+    async def chat(self, body: dict[str, Any], *, check_close: bool = False) -> ChatResult:
+        """POST /v1/chat/completions with stream on; time it; parse the SSE events."""
+        payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        started = time.perf_counter()
+        connect_ms = await self._ensure_open()
+        reused = connect_ms is None
+        assert self._reader is not None and self._writer is not None
+        head = [
+            "POST /v1/chat/completions HTTP/1.1",
+            f"Host: {self.host}:{self.port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+            "Accept: text/event-stream",
+            "Connection: keep-alive",
+        ]
+        if self.api_key:
+            head.append(f"Authorization: Bearer {self.api_key}")
+        try:
+            self._writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+            await self._writer.drain()
+            status, headers = await self._read_head()
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            if reused:  # the server closed while we were idle: once more on a fresh connection
+                await self.close()
+                return await self.chat(body, check_close=check_close)
+            raise StreamError(f"connection failed: {e}") from None
+        headers_ms = (time.perf_counter() - started) * 1000
+        result = ChatResult(status=status, timing=Timing(connect_ms, headers_ms, None, 0.0, reused))
+        parser = SseParser()
+        first_content: float | None = None
+        async for chunk in self._body(headers):
+            for data in parser.feed(chunk):
+                if data == "[DONE]":
+                    continue
+                result.events += 1
+                if first_content is None and self._apply(result, data):
+                    first_content = (time.perf_counter() - started) * 1000
+                elif first_content is not None:
+                    self._apply(result, data)
+        if status != 200 and not result.error:
+            result.error = f"HTTP {status}"
+        result.timing.first_content_ms = first_content
+        result.timing.total_ms = (time.perf_counter() - started) * 1000
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+            result.server_closed = True
+        elif check_close:
+            await asyncio.sleep(CLOSE_CHECK_S)
+            result.server_closed = self._reader is None or self._reader.at_eof()
+        return result
+
+    @staticmethod
+    def _apply(result: ChatResult, data: str) -> bool:
+        """Fold one event into the result; True when it carried non-empty content."""
+        try:
+            event = json.loads(data)
+        except ValueError:
+            result.error = f"unparseable event: {data[:80]!r}"
+            return False
+        if "error" in event:
+            result.error = str(event["error"])
+            return False
+        if event.get("usage"):
+            result.usage = event["usage"]
+        if event.get("timings"):
+            result.server_timings = event["timings"]
+        got_content = False
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                result.content += content
+                got_content = True
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str):
+                result.reasoning += reasoning
+            result.tool_calls += len(delta.get("tool_calls") or [])
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        return got_content
+
+    async def _read_head(self) -> tuple[int, dict[str, str]]:
+        assert self._reader is not None
+        raw = await self._reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError):
+            raise StreamError(f"bad status line {lines[0]!r}") from None
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        return status, headers
+
+    async def _body(self, headers: dict[str, str]):  # type: ignore[no-untyped-def]
+        assert self._reader is not None
+        reader = self._reader
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size_line = await reader.readuntil(b"\r\n")
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")  # the empty trailer
+                    return
+                data = await reader.readexactly(size)
+                await reader.readexactly(2)
+                yield data
+        elif "content-length" in headers:
+            remaining = int(headers["content-length"])
+            while remaining > 0:
+                data = await reader.read(min(remaining, 65536))
+                if not data:
+                    raise StreamError("connection closed mid-body")
+                remaining -= len(data)
+                yield data
+        else:
+            while data := await reader.read(65536):
+                yield data
+            await self.close()
