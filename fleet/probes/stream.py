@@ -10,6 +10,7 @@ which a pooling HTTP library hides.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -109,10 +110,8 @@ class Connection:
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            try:
+            with contextlib.suppress(ConnectionError, OSError):
                 await self._writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
         self._reader = self._writer = None
 
     async def _ensure_open(self) -> float | None:
