@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 failed, 2 bad input.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
 from fleet.market import MarketError
 from fleet.offers import effective_price_per_hour
+from fleet.probes.runner import PROBES
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
@@ -347,6 +349,109 @@ def destroy_cmd(
         )
     if not done:
         out.print("nothing to destroy")
+
+
+@app.command("probe")
+def probe_cmd(
+    host: Annotated[str, typer.Argument(help="Host name (see `fleet status`).")],
+    only: Annotated[
+        list[str] | None,
+        typer.Option("--only", help="Run only this probe (repeatable): smoke, cache, keepalive, thermal."),
+    ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="With thermal: draw it into this PNG.")] = None,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Run the probes on a serving host now; every result is recorded. Exit 1 when one fails."""
+    settings = load_settings(config_path)
+    unknown = sorted(set(only or []) - set(PROBES))
+    if unknown:
+        fail(f"unknown probe {', '.join(unknown)} (have: {', '.join(PROBES)})", 2)
+    if plot is not None and "thermal" not in (only or PROBES):
+        fail("--plot draws the thermal probe; add --only thermal", 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            try:
+                return await fleet.probe(host, list(only) if only else None, plot)
+            except KeyError as e:
+                fail(str(e.args[0]), 2)
+
+    results = run_async(go)
+    if json_output:
+        print_json([r.as_dict() for r in results])
+    else:
+        for r in results:
+            mark = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
+            shown = {k: v for k, v in r.metrics.items() if k != "series"}
+            out.print(f"{mark} {r.name}: {r.diagnosis}", highlight=False)
+            out.print(f"     {json.dumps(shown, default=str)}", highlight=False)
+        if plot is not None:
+            out.print(f"plot written to {plot}")
+    if not all(r.passed for r in results):
+        raise typer.Exit(1)
+
+
+@app.command("bench")
+def bench_cmd(
+    host: Annotated[str, typer.Argument(help="Host name (see `fleet status`).")],
+    callers: Annotated[int | None, typer.Option("--callers", help="Most concurrent callers (default: slots).")] = None,
+    waves: Annotated[int, typer.Option("--waves", help="Measured waves per level.")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up waves after the cold one, discarded.")] = 1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Reply length per turn.")] = 32,
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV.")] = None,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Replay a voice call at 1, 2, 4 ... N concurrent callers and report what callers feel."""
+    settings = load_settings(config_path)
+    if (callers is not None and callers < 1) or waves < 1 or warmup < 0 or max_tokens < 1:
+        fail("--callers, --waves and --max-tokens must be at least 1, --warmup at least 0", 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            try:
+                return await fleet.bench(host, callers, waves, warmup, max_tokens)
+            except KeyError as e:
+                fail(str(e.args[0]), 2)
+
+    levels = [level.as_dict() for level in run_async(go)]
+    if csv_path is not None:
+        with csv_path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(levels[0]))
+            writer.writeheader()
+            writer.writerows(levels)
+    if json_output:
+        print_json(levels)
+        return
+    table = Table(title=f"{host}: a voice call replayed, {waves} measured waves per level")
+    for column in (
+        "callers",
+        "first content p50 ms",
+        "p95 ms",
+        "decode tok/s",
+        "share",
+        "throughput tok/s",
+        "cache reuse",
+        "errors",
+    ):
+        table.add_column(column, no_wrap=True)
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    for level in levels:
+        table.add_row(
+            str(level["callers"]),
+            fmt(level["first_content_p50_ms"], "{:.1f}"),
+            fmt(level["first_content_p95_ms"], "{:.1f}"),
+            fmt(level["decode_per_caller_tok_s"], "{:.1f}"),
+            fmt(level["decode_share"], "{:.2f}"),
+            fmt(level["throughput_tok_s"], "{:.1f}"),
+            fmt(level["cache_reuse"], "{:.0%}"),
+            str(level["errors"]),
+        )
+    out.print(table)
 
 
 @app.command("reconcile")

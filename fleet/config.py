@@ -98,6 +98,7 @@ class ModelFile(Strict):
 class ProfileProbes(Strict):
     """How big the probes' conversations are for this model (a real card vs the tiny CPU model)."""
 
+    on_up: list[Literal["smoke", "cache", "keepalive", "thermal"]] = ["smoke", "cache", "keepalive", "thermal"]
     system_chars: Annotated[int, Field(ge=0)] = 28000  # ~7k tokens of system prompt, as a voice agent sends
     turns: Annotated[int, Field(ge=2)] = 4
     reply_tokens: Annotated[int, Field(ge=1)] = 32
@@ -137,9 +138,8 @@ class Profile(Strict):
 
 
 class Probes(Strict):
-    """Which probes gate READY, and their thresholds."""
+    """The probes' thresholds (which probes `fleet up` runs is per profile)."""
 
-    on_up: list[Literal["smoke", "cache", "keepalive", "thermal"]] = ["smoke", "cache", "keepalive", "thermal"]
     keepalive_gate: bool = False  # a server that closes after every streamed reply fails READY
     prompt_allowance_tokens: Annotated[int, Field(ge=0)] = 24  # template glue beyond the appended text
     thermal_min_share: Annotated[float, Field(gt=0, le=1)] = 0.8  # one-caller rate now / cold

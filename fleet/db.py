@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from fleet.market import Offer
-from fleet.models import Attempt, Blacklist, Event, Host, OfferSeen
+from fleet.models import Attempt, Blacklist, Event, Host, OfferSeen, ProbeRun
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_MS = 10_000
@@ -151,6 +151,10 @@ class Record:
             if host_id is not None:
                 q = q.where(Event.host_id == host_id)
             return list(s.exec(q.order_by(Event.id)))
+
+    def probe_runs(self, host_id: int) -> list[ProbeRun]:
+        with session(self.engine) as s:
+            return list(s.exec(select(ProbeRun).where(ProbeRun.host_id == host_id).order_by(ProbeRun.id)))
 
     def blacklist(self) -> list[Blacklist]:
         with session(self.engine) as s:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Protocol
 
 import asyncssh
@@ -28,9 +29,12 @@ from fleet.config import Profile, Settings
 from fleet.db import Record
 from fleet.market import FAILED, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
-from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, utcnow
+from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
 from fleet.probes import ProbeResult
-from fleet.probes.smoke import run_smoke
+from fleet.probes.bench import LevelResult, run_bench
+from fleet.probes.call import load_call
+from fleet.probes.runner import PROBES, run_probes
+from fleet.probes.stream import StreamError
 from fleet.remote import RemoteError, SshKey, connect, run, run_streaming
 
 LABEL_PREFIX = "fleet:"
@@ -377,19 +381,86 @@ class Fleet:
             api_key = secrets.token_urlsafe(32)
             api_url = f"http://{service[0]}:{service[1]}"
             await self._start_server(host, profile, conn, service[1], files, api_key, api_url, timeouts.load)
-        self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
-        self.reporter.info(host.name, f"llama-server up at {api_url}; probing")
-        try:
-            async with asyncio.timeout(timeouts.probes), self.waits.on("server"):
-                smoke = await run_smoke(api_url, api_key)
-        except (TimeoutError, httpx.HTTPError) as e:
-            raise PhaseFailed("probes", f"smoke probe failed: {type(e).__name__}: {e}") from None
-        self._record_probe(host, smoke)
-        if not smoke.passed:
-            raise PhaseFailed("probes", f"smoke: {smoke.diagnosis}")
+            self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
+            names = list(profile.probes.on_up)
+            self.reporter.info(host.name, f"llama-server up at {api_url}; probing: {', '.join(names)}")
+            results = await self._probe(host, profile, names, conn, timeouts.probes)
+        failed = [r for r in results if not r.passed]
+        if failed:
+            raise PhaseFailed("probes", "; ".join(f"{r.name}: {r.diagnosis}" for r in failed))
         self.record.update(host, ready_at=utcnow(), state=HostState.READY)
         self._end_attempt(host, None, None, state=HostState.READY)
         self.reporter.info(host.name, f"READY at {api_url} (${host.dph_total:.4f}/h)")
+
+    async def _probe(
+        self,
+        host: Host,
+        profile: Profile,
+        names: list[str],
+        ssh: asyncssh.SSHClientConnection | None,
+        timeout_s: float,
+        plot_path: Path | None = None,
+    ) -> list[ProbeResult]:
+        assert host.api_url and host.api_key
+        try:
+            async with asyncio.timeout(timeout_s), self.waits.on("server"):
+                results = await run_probes(names, host.api_url, host.api_key, profile, self.settings, ssh, plot_path)
+        except (TimeoutError, httpx.HTTPError, StreamError, OSError) as e:
+            raise PhaseFailed("probes", f"probing failed: {type(e).__name__}: {e}") from None
+        for result in results:
+            self.record.add(
+                ProbeRun(
+                    host_id=host.id,
+                    name=result.name,
+                    passed=result.passed,
+                    diagnosis=result.diagnosis,
+                    metrics=json.dumps(result.metrics),
+                )
+            )
+            self.reporter.info(
+                host.name, f"probe {result.name}: {'pass' if result.passed else 'FAIL'}: {result.diagnosis}"
+            )
+        return results
+
+    async def probe(self, name: str, only: list[str] | None = None, plot_path: Path | None = None) -> list[ProbeResult]:
+        """Run probes on a serving host now (all of them unless `only`); every result is recorded."""
+        host = self._serving_host(name)
+        profile = self.settings.profile(host.model)
+        names = only or list(PROBES)
+        ssh = None
+        if "thermal" in names and host.ssh_host and host.ssh_port:
+            ssh, _ = await connect(
+                host.ssh_host, host.ssh_port, self.ssh_key, host.host_key, self.settings.timeouts.ssh
+            )
+        try:
+            return await self._probe(host, profile, names, ssh, self.settings.timeouts.probes, plot_path)
+        finally:
+            if ssh is not None:
+                ssh.close()
+
+    async def bench(
+        self, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int
+    ) -> list[LevelResult]:
+        host = self._serving_host(name)
+        assert host.api_url and host.api_key
+        return await run_bench(
+            host.api_url,
+            host.api_key,
+            load_call(),
+            max_callers=max_callers,
+            waves=waves,
+            warmup=warmup,
+            max_tokens=max_tokens,
+        )
+
+    def _serving_host(self, name: str) -> Host:
+        hosts = self.record.hosts(names=[name])
+        if not hosts:
+            raise KeyError(f"no such host: {name}")
+        host = hosts[0]
+        if host.state not in (HostState.READY, HostState.PROBING) or not host.api_url:
+            raise KeyError(f"host {name} is {host.state}, not serving")
+        return host
 
     async def _wait_running(self, host: Host, timeout_s: float) -> Instance:
         assert host.instance_id is not None
@@ -507,11 +578,6 @@ class Fleet:
     async def _server_log_tail(self, conn: asyncssh.SSHClientConnection) -> str:
         result = await conn.run(f"tail -n 3 {RUN_DIR}/llama-server.log", check=False)
         return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
-
-    def _record_probe(self, host: Host, probe: ProbeResult) -> None:
-        self.record.event(
-            "info" if probe.passed else "error", f"probe:{probe.name}", json.dumps(probe.as_dict()), host.id
-        )
 
     def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
         attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)

@@ -139,3 +139,17 @@ class Blacklist(SQLModel, table=True):
     reason: str
     created_at: datetime = Field(default_factory=utcnow)
     expires_at: datetime
+
+
+class ProbeRun(SQLModel, table=True):
+    """One probe's result on one host, with its measurements (JSON)."""
+
+    __tablename__ = "probe_runs"
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="hosts.id", index=True)
+    at: datetime = Field(default_factory=utcnow, index=True)
+    name: str
+    passed: bool
+    diagnosis: str
+    metrics: str = "{}"

@@ -7,12 +7,10 @@ made only of the empty thought marker).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import httpx
-
 from fleet.probes import ProbeResult
+from fleet.probes.stream import Connection
 
 EMPTY_THOUGHT = "<|channel>thought\n<channel|>"
 SMOKE_MAX_TOKENS = 16
@@ -58,22 +56,28 @@ def judge_smoke(response: dict[str, Any], max_tokens: int) -> ProbeResult:
     return ProbeResult("smoke", True, "content is not empty", metrics)
 
 
-async def run_smoke(base_url: str, api_key: str, timeout_s: float = 60.0) -> ProbeResult:
-    """Ask once with the key (must answer with content) and once without (must be refused)."""
+async def run_smoke(base_url: str, api_key: str) -> ProbeResult:
+    """Ask once with the key, streamed (must answer with content), and once without (must be refused)."""
     body = {"messages": SMOKE_MESSAGES, "max_tokens": SMOKE_MAX_TOKENS, "temperature": 0}
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
-        started = time.perf_counter()
-        r = await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"})
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        if r.status_code != 200:
-            return ProbeResult(
-                "smoke", False, f"chat completion answered HTTP {r.status_code}", {"status": r.status_code}
-            )
-        result = judge_smoke(r.json(), SMOKE_MAX_TOKENS)
-        open_door = await client.post("/v1/chat/completions", json=body)
-    metrics = {**result.metrics, "total_ms": round(elapsed_ms, 1), "without_key_status": open_door.status_code}
-    if open_door.status_code != 401:
-        return ProbeResult(
-            "smoke", False, f"the server answered HTTP {open_door.status_code} without the API key", metrics
-        )
+    with_key, without_key = Connection(base_url, api_key), Connection(base_url, None)
+    try:
+        answer = await with_key.chat(body)
+        refused = await without_key.chat(body)
+    finally:
+        await with_key.close()
+        await without_key.close()
+    if answer.status != 200:
+        return ProbeResult("smoke", False, f"chat completion failed: {answer.error}", {"status": answer.status})
+    result = judge_smoke(answer.as_response(), SMOKE_MAX_TOKENS)
+    t = answer.timing
+    metrics = {
+        **result.metrics,
+        "connect_ms": t.connect_ms,
+        "headers_ms": round(t.headers_ms, 3),
+        "first_content_ms": round(t.first_content_ms, 3) if t.first_content_ms is not None else None,
+        "total_ms": round(t.total_ms, 3),
+        "without_key_status": refused.status,
+    }
+    if refused.status != 401:
+        return ProbeResult("smoke", False, f"the server answered HTTP {refused.status} without the API key", metrics)
     return ProbeResult("smoke", result.passed, result.diagnosis, metrics)

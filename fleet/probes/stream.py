@@ -153,6 +153,14 @@ class Connection:
         result = ChatResult(status=status, timing=Timing(connect_ms, headers_ms, None, 0.0, reused))
         parser = SseParser()
         first_content: float | None = None
+        if status != 200:
+            raw = b"".join([chunk async for chunk in self._body(headers)])
+            result.error = f"HTTP {status}: {_error_message(raw)}"
+            result.timing.total_ms = (time.perf_counter() - started) * 1000
+            if headers.get("connection", "").lower() == "close":
+                await self.close()
+                result.server_closed = True
+            return result
         async for chunk in self._body(headers):
             for data in parser.feed(chunk):
                 if data == "[DONE]":
@@ -162,8 +170,6 @@ class Connection:
                     first_content = (time.perf_counter() - started) * 1000
                 elif first_content is not None:
                     self._apply(result, data)
-        if status != 200 and not result.error:
-            result.error = f"HTTP {status}"
         result.timing.first_content_ms = first_content
         result.timing.total_ms = (time.perf_counter() - started) * 1000
         if headers.get("connection", "").lower() == "close":
@@ -244,3 +250,13 @@ class Connection:
             while data := await reader.read(65536):
                 yield data
             await self.close()
+
+
+def _error_message(raw: bytes) -> str:
+    """llama-server's error body is {"error": {"message": ...}}; fall back to the raw text."""
+    try:
+        body = json.loads(raw)
+        error = body.get("error", body)
+        return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
+    except ValueError:
+        return raw.decode("utf-8", errors="replace")[:300]

@@ -1,0 +1,168 @@
+"""`fleet bench`: replay a voice call at 1, 2, 4 ... N concurrent callers and measure what callers feel.
+
+Each caller holds its own conversation of the recorded-style call (data/call.json). The callers
+speak in waves: every caller sends its next turn at once. The first (cold) wave and `warmup`
+more are discarded; then `waves` waves are measured. Per level: first-content p50/p95 pooled over
+the waves, per-caller decode and its share of the one-caller rate, throughput from the server's
+token counts (never from counting stream chunks), cache reuse per turn, and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from fleet.probes.call import Call
+from fleet.probes.stream import ChatResult, Connection
+
+
+@dataclass
+class LevelResult:
+    callers: int
+    requests: int
+    errors: int
+    first_content_p50_ms: float | None
+    first_content_p95_ms: float | None
+    decode_per_caller_tok_s: float | None
+    decode_share: float | None  # per-caller decode / one-caller decode
+    throughput_tok_s: float
+    cache_reuse: float | None  # median cache_n / prompt_tokens of measured turns
+    reconnects: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(
+    callers: int, waves: list[tuple[float, list[ChatResult]]], one_caller_decode: float | None, reconnects: int
+) -> LevelResult:
+    """Pool the measured waves of one level (pure: tested on recorded results)."""
+    results = [r for _, wave in waves for r in wave]
+    good = [r for r in results if r.status == 200 and not r.error]
+    firsts = [r.timing.first_content_ms for r in good if r.timing.first_content_ms is not None]
+    decode = [
+        float(r.server_timings["predicted_per_second"]) for r in good if r.server_timings.get("predicted_per_second")
+    ]
+    reuse = [
+        r.server_timings.get("cache_n", 0) / r.usage["prompt_tokens"] for r in good if r.usage.get("prompt_tokens")
+    ]
+    throughput = [
+        sum(int(r.server_timings.get("predicted_n", 0)) for r in wave) / wall for wall, wave in waves if wall > 0
+    ]
+    per_caller = statistics.median(decode) if decode else None
+    return LevelResult(
+        callers=callers,
+        requests=len(results),
+        errors=len(results) - len(good),
+        first_content_p50_ms=percentile(firsts, 0.5),
+        first_content_p95_ms=percentile(firsts, 0.95),
+        decode_per_caller_tok_s=per_caller,
+        decode_share=(per_caller / one_caller_decode) if per_caller and one_caller_decode else None,
+        throughput_tok_s=statistics.mean(throughput) if throughput else 0.0,
+        cache_reuse=statistics.median(reuse) if reuse else None,
+        reconnects=reconnects,
+    )
+
+
+async def fit_call(base_url: str, api_key: str, call: Call, share_of_ctx: float = 0.4) -> tuple[Call, int]:
+    """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots)."""
+    async with httpx.AsyncClient(
+        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as client:
+        props = (await client.get("/props")).raise_for_status().json()
+        slots = int(props.get("total_slots") or 1)
+        n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
+        tokens = len(
+            (await client.post("/tokenize", json={"content": call.system})).raise_for_status().json()["tokens"]
+        )
+    budget = int(n_ctx * share_of_ctx)
+    if tokens > budget:
+        call = call.with_system_chars(int(len(call.system) * budget / tokens))
+    return call, slots
+
+
+class Caller:
+    def __init__(self, base_url: str, api_key: str, call: Call, offset: int, max_tokens: int) -> None:
+        self.conn = Connection(base_url, api_key)
+        self.call = call
+        self.turn = offset
+        self.max_tokens = max_tokens
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": call.system}]
+
+    async def speak(self) -> ChatResult:
+        self.messages.append({"role": "user", "content": self.call.user_turns[self.turn % len(self.call.user_turns)]})
+        self.turn += 1
+        result = await self.conn.chat(
+            {"messages": self.messages, "tools": self.call.tools, "max_tokens": self.max_tokens, "temperature": 0}
+        )
+        self.messages.append({"role": "assistant", "content": result.content})
+        return result
+
+
+async def run_level(
+    base_url: str,
+    api_key: str,
+    call: Call,
+    callers: int,
+    waves: int,
+    warmup: int,
+    max_tokens: int,
+    one_caller_decode: float | None,
+) -> LevelResult:
+    people = [Caller(base_url, api_key, call, offset=i * 3, max_tokens=max_tokens) for i in range(callers)]
+    measured: list[tuple[float, list[ChatResult]]] = []
+    try:
+        for wave in range(1 + warmup + waves):
+            started = time.perf_counter()
+            results = await asyncio.gather(*(p.speak() for p in people))
+            if wave > warmup:
+                measured.append((time.perf_counter() - started, list(results)))
+    finally:
+        for p in people:
+            await p.conn.close()
+    reconnects = sum(max(p.conn.opened - 1, 0) for p in people)
+    return summarize(callers, measured, one_caller_decode, reconnects)
+
+
+def levels_up_to(n: int) -> list[int]:
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return [*out, n]
+
+
+async def run_bench(
+    base_url: str,
+    api_key: str,
+    call: Call,
+    *,
+    max_callers: int | None = None,
+    waves: int = 3,
+    warmup: int = 1,
+    max_tokens: int = 32,
+) -> list[LevelResult]:
+    call, slots = await fit_call(base_url, api_key, call)
+    results: list[LevelResult] = []
+    one_caller: float | None = None
+    for n in levels_up_to(max_callers or slots):
+        level = await run_level(base_url, api_key, call, n, waves, warmup, max_tokens, one_caller)
+        if n == 1:
+            one_caller = level.decode_per_caller_tok_s
+            level.decode_share = 1.0 if one_caller else None
+        results.append(level)
+    return results

@@ -1,0 +1,68 @@
+"""Running a set of probes against one host with the settings that size and judge them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncssh
+
+from fleet.config import Profile, Settings
+from fleet.probes import ProbeResult
+from fleet.probes.cache import run_cache
+from fleet.probes.call import load_call
+from fleet.probes.keepalive import run_keepalive
+from fleet.probes.smoke import run_smoke
+from fleet.probes.thermal import plot, run_thermal
+
+PROBES = ("smoke", "cache", "keepalive", "thermal")
+
+
+async def run_probes(
+    names: list[str],
+    api_url: str,
+    api_key: str,
+    profile: Profile,
+    settings: Settings,
+    ssh: asyncssh.SSHClientConnection | None,
+    plot_path: Path | None = None,
+) -> list[ProbeResult]:
+    """Run `names` in order; every result is returned, passed or not."""
+    p, limits = profile.probes, settings.probes
+    results = []
+    for name in names:
+        if name == "smoke":
+            results.append(await run_smoke(api_url, api_key))
+        elif name == "cache":
+            call = load_call().with_system_chars(p.system_chars)
+            results.append(
+                await run_cache(
+                    api_url,
+                    api_key,
+                    call,
+                    p.turns,
+                    p.reply_tokens,
+                    p.rewrite_reply_tokens,
+                    limits.prompt_allowance_tokens,
+                )
+            )
+        elif name == "keepalive":
+            results.append(await run_keepalive(api_url, api_key, limits.keepalive_gate))
+        elif name == "thermal":
+            result, rates, cards = await run_thermal(
+                api_url,
+                api_key,
+                ssh,
+                slots=profile.slots,
+                seconds=p.thermal_seconds,
+                interval_s=p.thermal_interval_s,
+                tokens=p.thermal_tokens,
+                min_share=limits.thermal_min_share,
+                max_gpu_c=limits.thermal_max_gpu_c,
+                max_memory_c=limits.thermal_max_memory_c,
+            )
+            if plot_path is not None:
+                plot(rates, cards, plot_path, f"{profile.name}: thermal baseline")
+            results.append(result)
+        else:
+            raise ValueError(f"unknown probe {name!r} (have: {', '.join(PROBES)})")
+    return results

@@ -1,0 +1,219 @@
+"""thermal: does the card keep its decode speed under sustained load (DOMAIN.md "Heat")?
+
+A rented 3090 fell from 218.6 to 97.6 tok/s within 24 minutes with no throttle flag set. So: drive
+sustained decode load on every slot but one, every interval pause it, measure a one-caller rate,
+sample the card with nvidia-smi over SSH (hosts without it still get the rate part), and judge by
+the share (rate now / rate at the start) and temperature limits, never by one absolute rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from fleet.probes import ProbeResult
+from fleet.probes.gpu import QUERY, GpuParseError, GpuSample, parse_query_csv
+from fleet.probes.stream import Connection
+
+LOAD_PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+@dataclass(frozen=True)
+class RatePoint:
+    t_s: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class CardPoint:
+    t_s: float
+    sample: GpuSample
+
+
+def judge_thermal(
+    rates: list[RatePoint], cards: list[CardPoint], min_share: float, max_gpu_c: float, max_memory_c: float
+) -> ProbeResult:
+    """Verdict by decode share (each later one-caller rate / the first) and card temperatures."""
+    if len(rates) < 2 or rates[0].tokens_per_s <= 0:
+        return ProbeResult("thermal", False, "too few one-caller measurements to judge", {"rates": len(rates)})
+    first = rates[0].tokens_per_s
+    shares = [r.tokens_per_s / first for r in rates]
+    gpu_c = [c.sample.gpu_c for c in cards if c.sample.gpu_c is not None]
+    mem_c = [c.sample.memory_c for c in cards if c.sample.memory_c is not None]
+    metrics: dict[str, Any] = {
+        "decode_rates": [round(r.tokens_per_s, 1) for r in rates],
+        "decode_share": round(shares[-1], 3),
+        "decode_share_min": round(min(shares), 3),
+        "gpu_c_max": max(gpu_c) if gpu_c else None,
+        "memory_c_max": max(mem_c) if mem_c else None,
+        "throttle_flags": sorted(
+            {
+                name
+                for c in cards
+                for name in ("hw_thermal_slowdown", "sw_thermal_slowdown", "sw_power_cap")
+                if getattr(c.sample, name)
+            }
+        ),
+        "card_samples": len(cards),
+    }
+    problems = []
+    if shares[-1] < min_share:
+        problems.append(f"decode share fell to {shares[-1]:.2f} of the cold rate (limit {min_share})")
+    if gpu_c and max(gpu_c) > max_gpu_c:
+        problems.append(f"GPU reached {max(gpu_c):.0f} C (limit {max_gpu_c:g})")
+    if mem_c and max(mem_c) > max_memory_c:
+        problems.append(f"memory reached {max(mem_c):.0f} C (limit {max_memory_c:g})")
+    if problems:
+        return ProbeResult("thermal", False, "; ".join(problems), metrics)
+    note = "" if cards else " (no nvidia-smi on the host: decode share only)"
+    return ProbeResult("thermal", True, f"decode share {shares[-1]:.2f} of cold{note}", metrics)
+
+
+async def sample_card(ssh: asyncssh.SSHClientConnection | None) -> list[GpuSample] | None:
+    """One nvidia-smi sample of every GPU, or None when the host has no nvidia-smi (or no SSH)."""
+    if ssh is None:
+        return None
+    result = await ssh.run(" ".join(QUERY), check=False)
+    if result.exit_status != 0:
+        return None
+    try:
+        return parse_query_csv(str(result.stdout))
+    except GpuParseError:
+        return None
+
+
+class _Load:
+    """Callers streaming long replies on the other slots, pausable so a one-caller rate can be taken."""
+
+    def __init__(self, base_url: str, api_key: str, callers: int, tokens: int) -> None:
+        self.base_url, self.api_key, self.tokens = base_url, api_key, tokens
+        self.running = asyncio.Event()
+        self.running.set()
+        self.idle = asyncio.Condition()
+        self.in_flight = 0
+        self.stop = False
+        self.tasks = [asyncio.create_task(self._caller()) for _ in range(callers)]
+
+    async def _caller(self) -> None:
+        conn = Connection(self.base_url, self.api_key)
+        try:
+            while not self.stop:
+                await self.running.wait()
+                if self.stop:
+                    return
+                self.in_flight += 1
+                try:
+                    await conn.chat(
+                        {"messages": LOAD_PROMPT, "max_tokens": self.tokens, "temperature": 1.0, "ignore_eos": True}
+                    )
+                finally:
+                    self.in_flight -= 1
+                    async with self.idle:
+                        self.idle.notify_all()
+        finally:
+            await conn.close()
+
+    async def pause(self) -> None:
+        self.running.clear()
+        async with self.idle:
+            await self.idle.wait_for(lambda: self.in_flight == 0)
+
+    def resume(self) -> None:
+        self.running.set()
+
+    async def close(self) -> None:
+        self.stop = True
+        self.running.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def one_caller_rate(base_url: str, api_key: str, tokens: int) -> float:
+    conn = Connection(base_url, api_key)
+    try:
+        r = await conn.chat({"messages": LOAD_PROMPT, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True})
+    finally:
+        await conn.close()
+    if r.status != 200:
+        raise RuntimeError(f"decode request failed: {r.error}")
+    return float(r.server_timings.get("predicted_per_second", 0.0))
+
+
+async def run_thermal(
+    base_url: str,
+    api_key: str,
+    ssh: asyncssh.SSHClientConnection | None,
+    *,
+    slots: int,
+    seconds: float,
+    interval_s: float,
+    tokens: int,
+    min_share: float,
+    max_gpu_c: float,
+    max_memory_c: float,
+) -> tuple[ProbeResult, list[RatePoint], list[CardPoint]]:
+    started = time.monotonic()
+    rates: list[RatePoint] = []
+    cards: list[CardPoint] = []
+
+    async def take_card() -> None:
+        samples = await sample_card(ssh)
+        for s in samples or []:
+            cards.append(CardPoint(time.monotonic() - started, s))
+
+    await take_card()
+    rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(base_url, api_key, tokens)))
+    load = _Load(base_url, api_key, max(slots - 1, 0), tokens)
+    try:
+        while time.monotonic() - started < seconds:
+            await asyncio.sleep(min(interval_s, max(seconds - (time.monotonic() - started), 0.0)))
+            await take_card()
+            await load.pause()
+            rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(base_url, api_key, tokens)))
+            load.resume()
+    finally:
+        await load.close()
+    await take_card()
+    result = judge_thermal(rates, cards, min_share, max_gpu_c, max_memory_c)
+    result.metrics["series"] = {
+        "rates": [asdict(r) for r in rates],
+        "cards": [{"t_s": c.t_s, **asdict(c.sample)} for c in cards],
+    }
+    return result, rates, cards
+
+
+def plot(rates: list[RatePoint], cards: list[CardPoint], path: Path, title: str) -> None:
+    """Temperature, clocks and decode rate over time, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    axes[0].plot([r.t_s for r in rates], [r.tokens_per_s for r in rates], "o-", color="tab:blue")
+    axes[0].set_ylabel("one-caller decode (tok/s)")
+    axes[0].set_ylim(bottom=0)
+    for attr, label in (("gpu_c", "GPU"), ("memory_c", "memory")):
+        points = [(c.t_s, getattr(c.sample, attr)) for c in cards if getattr(c.sample, attr) is not None]
+        if points:
+            axes[1].plot(*zip(*points, strict=True), ".-", label=label)
+    axes[1].set_ylabel("temperature (C)")
+    for attr, label in (("sm_mhz", "SM"), ("mem_mhz", "memory")):
+        points = [(c.t_s, getattr(c.sample, attr)) for c in cards if getattr(c.sample, attr) is not None]
+        if points:
+            axes[2].plot(*zip(*points, strict=True), ".-", label=label)
+    axes[2].set_ylabel("clock (MHz)")
+    axes[2].set_xlabel("seconds")
+    for ax in axes[1:]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no nvidia-smi on this host", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
