@@ -33,3 +33,27 @@ def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
 async def fleet_for(settings: config.Settings) -> AsyncIterator[Fleet]:
     async with open_fleet(settings) as fleet:
         yield fleet
+
+
+def with_variant(
+    settings: config.Settings,
+    name: str,
+    *,
+    file: str | None = None,
+    extra_args: list[str] | None = None,
+    args: list[str] | None = None,
+    on_up: list[str] | None = None,
+) -> config.Settings:
+    """Add a profile made from `tiny`: another hub file, other llama-server flags, other probes on up."""
+    tiny = settings.models["tiny"]
+    files = [tiny.files[0].model_copy(update={"file": file})] if file else tiny.files
+    probes = tiny.probes.model_copy(update={"on_up": on_up}) if on_up is not None else tiny.probes
+    variant = tiny.model_copy(
+        update={
+            "name": name,
+            "files": files,
+            "probes": probes,
+            "args": [*(args if args is not None else tiny.args), *(extra_args or [])],
+        }
+    )
+    return settings.model_copy(update={"models": {**settings.models, name: variant}})

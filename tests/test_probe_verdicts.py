@@ -1,0 +1,142 @@
+"""Probe logic on recorded inputs: SSE parsing, first-content rules, nvidia-smi, verdicts, bench pooling."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleet.probes.bench import levels_up_to, percentile, summarize
+from fleet.probes.cache import PrefixBreak, Rewrite, WarmTurn, judge_cache
+from fleet.probes.gpu import GpuParseError, parse_query_csv
+from fleet.probes.keepalive import judge_keepalive
+from fleet.probes.stream import ChatResult, Connection, SseParser, Timing
+from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal
+
+FIXTURE = Path(__file__).parent / "fixtures" / "nvidia-smi-h200" / "query-gpu-csv.txt"
+STREAM = (
+    b": ping\n\n"
+    b'data: {"choices":[{"delta":{"role":"assistant","content":null}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":""}}]}\n\n'
+    b'data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":" there"},"finish_reason":"stop"}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":2},"timings":{"cache_n":3}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def test_sse_parser_survives_any_split_and_skips_comments():
+    whole = SseParser().feed(STREAM)
+    assert len(whole) == 8 and whole[-1] == "[DONE]"
+    for cut in range(1, len(STREAM)):
+        parser = SseParser()
+        assert parser.feed(STREAM[:cut]) + parser.feed(STREAM[cut:]) == whole
+    byte_by_byte = SseParser()
+    assert [e for i in range(len(STREAM)) for e in byte_by_byte.feed(STREAM[i : i + 1])] == whole
+
+
+def test_sse_parser_joins_multi_line_data_and_handles_crlf():
+    assert SseParser().feed(b"data: a\r\ndata: b\r\nid: 7\r\n\r\n") == ["a\nb"]
+
+
+def test_only_non_empty_content_counts_as_first_content():
+    result = ChatResult(status=200, timing=Timing(None, 0, None, 0, True))
+    counted = [Connection._apply(result, e) for e in SseParser().feed(STREAM)[:-1]]
+    assert counted == [False, False, False, False, True, True, False]
+    assert result.content == "Hi there" and result.reasoning == "hmm" and result.tool_calls == 1
+    assert result.usage["prompt_tokens"] == 10 and result.server_timings == {"cache_n": 3}
+    assert result.finish_reason == "stop"
+
+
+def test_nvidia_smi_parser_on_real_h200_output():
+    samples = parse_query_csv(FIXTURE.read_text())
+    assert len(samples) == 77 and all(s.name == "NVIDIA H200" for s in samples)
+    assert all(s.fan_pct is None for s in samples)  # [N/A] stays missing, never zero
+    first = samples[0]
+    assert (first.gpu_c, first.memory_c, first.sm_mhz, first.power_limit_w) == (38.0, 38.0, 1980.0, 700.0)
+    assert first.mem_total_mib == 143771.0 and first.throttle_mask == 0x1
+    loaded = [s for s in samples if s.throttle_mask == 0x4]
+    assert len(loaded) == 60 and all(s.sw_power_cap for s in loaded)
+    assert max(s.power_w for s in samples) == 694.58 and max(s.gpu_c for s in samples) == 61.0
+    assert not any(s.hw_thermal_slowdown or s.sw_thermal_slowdown for s in samples)
+
+
+def test_nvidia_smi_parser_refuses_garbage():
+    with pytest.raises(GpuParseError):
+        parse_query_csv("hello, world\n1, 2\n")
+    header = FIXTURE.read_text().splitlines()[0]
+    with pytest.raises(GpuParseError):
+        parse_query_csv(header + "\n1, 2, 3\n")
+    assert parse_query_csv("") == []
+
+
+def cards(temps):
+    base = parse_query_csv(FIXTURE.read_text())[0]
+    return [CardPoint(i, base.__class__(**{**base.__dict__, "gpu_c": t})) for i, t in enumerate(temps)]
+
+
+def test_thermal_judges_by_share_not_by_absolute_rate():
+    slow_but_steady = [RatePoint(0, 90.0), RatePoint(60, 89.0), RatePoint(120, 88.5)]
+    assert judge_thermal(slow_but_steady, [], 0.8, 87, 95).passed
+    sagging = [RatePoint(0, 218.6), RatePoint(600, 150.0), RatePoint(1440, 97.6)]
+    result = judge_thermal(sagging, [], 0.8, 87, 95)
+    assert not result.passed and "decode share fell to 0.45" in result.diagnosis
+    assert result.metrics["decode_share"] == pytest.approx(0.446, abs=0.001)
+
+
+def test_thermal_temperature_limits_and_missing_fields():
+    steady = [RatePoint(0, 100.0), RatePoint(5, 100.0)]
+    hot = judge_thermal(steady, cards([57, 80, 88]), 0.8, 87, 95)
+    assert not hot.passed and "GPU reached 88 C" in hot.diagnosis
+    ok = judge_thermal(steady, cards([57, 60]), 0.8, 87, 95)
+    assert ok.passed and ok.metrics["gpu_c_max"] == 60 and ok.metrics["card_samples"] == 2
+    assert not judge_thermal([RatePoint(0, 100.0)], [], 0.8, 87, 95).passed
+
+
+def test_cache_verdicts():
+    good = [WarmTurn(540, 47, 493, 47), WarmTurn(610, 47, 563, 47)]
+    assert judge_cache(good, [], Rewrite(808, 803, 57), 24).passed
+    broke = judge_cache([WarmTurn(610, 600, 10, 47)], [], None, 24)
+    assert not broke.passed and "re-processed 600 tokens for 47 appended" in broke.diagnosis
+    lost = judge_cache(good, [], Rewrite(808, 0, 860), 24)
+    assert not lost.passed and "cache lost on a rewritten turn: cache_n 0 of 808" in lost.diagnosis
+    rewritten = judge_cache(good, [PrefixBreak("whitespace", 1, 600, 516, " Okay", "Okay,")], None, 24)
+    assert not rewritten.passed and "prefix breaks at token 516" in rewritten.diagnosis
+    assert rewritten.metrics["prefix_breaks"][0]["shape"] == "whitespace"
+
+
+def test_keepalive_is_reported_and_gates_only_when_asked():
+    closed = judge_keepalive(True, False, {"fresh_connect_ms": 0.2}, gate=False)
+    assert closed.passed and "closed the connection" in closed.diagnosis
+    assert closed.metrics["connection_reused"] is False
+    assert not judge_keepalive(True, False, {}, gate=True).passed
+    assert judge_keepalive(False, True, {}, gate=True).passed
+
+
+def recorded(first_ms, decode, predicted, cache_n, prompt, status=200):
+    r = ChatResult(status=status, timing=Timing(None, 1.0, first_ms, 50.0, True))
+    r.server_timings = {"predicted_per_second": decode, "predicted_n": predicted, "cache_n": cache_n}
+    r.usage = {"prompt_tokens": prompt}
+    if status != 200:
+        r.error = f"HTTP {status}"
+    return r
+
+
+def test_bench_pools_waves_and_counts_throughput_from_server_tokens():
+    waves = [
+        (0.5, [recorded(20, 100, 32, 900, 1000), recorded(40, 80, 32, 950, 1000)]),
+        (0.5, [recorded(30, 90, 32, 990, 1000), recorded(0, 0, 0, 0, 0, status=503)]),
+    ]
+    level = summarize(2, waves, one_caller_decode=120.0, reconnects=3)
+    assert level.requests == 4 and level.errors == 1
+    assert level.first_content_p50_ms == 30 and level.first_content_p95_ms == pytest.approx(39.0)
+    assert level.decode_per_caller_tok_s == 90 and level.decode_share == 0.75
+    assert level.throughput_tok_s == (64 / 0.5 + 32 / 0.5) / 2
+    assert level.cache_reuse == 0.95 and level.reconnects == 3
+    assert json.loads(json.dumps(level.as_dict()))["callers"] == 2
+
+
+def test_levels_and_percentiles():
+    assert levels_up_to(1) == [1] and levels_up_to(3) == [1, 2, 3] and levels_up_to(12) == [1, 2, 4, 8, 12]
+    assert percentile([], 0.5) is None and percentile([5.0], 0.95) == 5.0

@@ -1,0 +1,177 @@
+"""The probes against real llama-servers on the local cloud: each passes on a healthy host and
+fails, with the right diagnosis, on a host that has the trap."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from fleet.lifecycle import UpRequest
+from tests.fleetkit import fleet_for, settings_for, with_variant
+
+SWA_TRAP = "tiny-gemma2-swa16.gguf"
+REWRITING = "tiny-llama-rewriting-template.gguf"
+
+
+@pytest.fixture(autouse=True)
+def local_cloud_env(cloud, monkeypatch):
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+    cloud.set_faults({})
+    yield
+    cloud.set_faults({})
+
+
+async def test_every_probe_passes_on_a_healthy_host_and_is_recorded(tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        try:
+            results = {r.name: r for r in await fleet.probe(host.name, plot_path=tmp_path / "thermal.png")}
+            assert {n: r.passed for n, r in results.items()} == {
+                "smoke": True,
+                "cache": True,
+                "keepalive": True,
+                "thermal": True,
+            }, results
+            assert results["smoke"].metrics["first_content_ms"] > 0
+            assert len(results["cache"].metrics["prompt_n"]) == 3 and results["cache"].metrics["rewrite"]
+            assert results["keepalive"].metrics["connection_reused"] is False  # this llama-server closes
+            assert results["thermal"].metrics["decode_share"] >= 0.8
+            assert (tmp_path / "thermal.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            stored = [r.name for r in fleet.record.probe_runs(host.id)]
+            assert stored[-4:] == ["smoke", "cache", "keepalive", "thermal"]
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_up_refuses_a_host_whose_template_rewrites_replies(cloud, tmp_path):
+    settings = with_variant(settings_for(tmp_path, up={"max_attempts": 2}), "tiny-rewrite", file=REWRITING)
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny-rewrite", "eu"))
+        assert result.ready == []
+        assert [a.phase for a in result.attempts] == ["probes", "probes"]
+        assert all("cache: the template rewrites history (whitespace" in a.reason for a in result.attempts)
+        assert len(fleet.record.blacklist()) == 2
+    assert cloud.state()["instances"] == {}
+
+
+async def test_cache_probe_catches_a_sliding_window_model_without_checkpoints(tmp_path):
+    settings = with_variant(
+        settings_for(tmp_path),
+        "tiny-swa-trap",
+        file=SWA_TRAP,
+        extra_args=["-ub", "64", "--ctx-checkpoints", "0"],
+        on_up=["smoke"],
+    )
+    async with fleet_for(settings) as fleet:
+        host = (await fleet.up(UpRequest("tiny-swa-trap", "eu"))).ready[0]
+        try:
+            [cache] = await fleet.probe(host.name, only=["cache"])
+        finally:
+            await fleet.destroy(None)
+    assert not cache.passed
+    assert "cache lost on a rewritten turn: cache_n 0" in cache.diagnosis
+    assert cache.metrics["rewrite"]["cache_n"] == 0
+
+
+async def test_thermal_fails_on_a_host_whose_decode_sags(cloud, tmp_path):
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        machine = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
+        cloud.set_faults({"decode_sag": {str(machine): {"start_after_s": 0.0, "ramp_s": 4.0, "max_stop_share": 0.8}}})
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        assert host.machine_id == machine
+        try:
+            [thermal] = await fleet.probe(host.name, only=["thermal"])
+        finally:
+            await fleet.destroy(None)
+    assert not thermal.passed and "decode share fell to" in thermal.diagnosis
+    assert thermal.metrics["decode_share"] < 0.8
+
+
+async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        try:
+            [probe] = await fleet.probe(host.name, only=["keepalive"])
+            hostname, port = host.api_url.removeprefix("http://").split(":")
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+            request = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {hostname}\r\nConnection: keep-alive\r\n"
+                f"Authorization: Bearer {host.api_key}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+            with socket.create_connection((hostname, int(port)), timeout=10) as raw:
+                raw.sendall(request)
+                received = b""
+                while not received.endswith(b"\r\n0\r\n\r\n"):
+                    chunk = raw.recv(65536)
+                    assert chunk, "closed before the stream ended"
+                    received += chunk
+                raw.settimeout(2)
+                try:
+                    closed = raw.recv(1) == b""
+                except TimeoutError:
+                    closed = False
+        finally:
+            await fleet.destroy(None)
+    assert b"data: [DONE]" in received
+    assert probe.metrics["server_closed_after_stream"] is closed
+    assert probe.metrics["connection_reused"] is (not closed)
+
+
+async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
+    four_slots = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]
+    settings = with_variant(settings_for(tmp_path), "tiny4", args=four_slots, on_up=["smoke"])
+    async with fleet_for(settings) as fleet:
+        host = (await fleet.up(UpRequest("tiny4", "eu"))).ready[0]
+        try:
+            levels = await fleet.bench(host.name, max_callers=None, waves=2, warmup=1, max_tokens=16)
+            cli = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "fleet.cli",
+                    "bench",
+                    host.name,
+                    "--callers",
+                    "2",
+                    "--waves",
+                    "1",
+                    "--csv",
+                    str(tmp_path / "bench.csv"),
+                    "--json",
+                ],
+                env={**os.environ, "FLEET_CONFIG": str(write_config(tmp_path, settings))},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            await fleet.destroy(None)
+    assert [level.callers for level in levels] == [1, 2, 4]
+    assert all(level.errors == 0 and level.requests == level.callers * 2 for level in levels)
+    assert levels[0].decode_share == 1.0 and all(level.throughput_tok_s > 0 for level in levels)
+    assert all(level.cache_reuse and level.cache_reuse > 0.5 for level in levels)
+    assert all(level.first_content_p50_ms <= level.first_content_p95_ms for level in levels)
+    assert cli.returncode == 0, cli.stderr
+    assert [row["callers"] for row in json.loads(cli.stdout)] == [1, 2]
+    assert (tmp_path / "bench.csv").read_text().splitlines()[0].startswith("callers,requests,errors")
+
+
+def write_config(tmp_path, settings):
+    """The CLI reads fleet.toml: write the repo's with this test's database and the tiny4 profile."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "fleet.toml").read_text()
+    text = text.replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{settings.database.file}"')
+    text += (
+        "\n[models.tiny4]\ngpu_ram_gb = 0\ndisk_gb = 10\nslots = 4\nctx_per_slot = 2048\n"
+        'files = [{ key = "main", repo = "fleet-local/tiny-models", file = "tiny-llama-bytes.gguf" }]\n'
+        'args = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]\n'
+    )
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return path
