@@ -21,10 +21,12 @@ from rich.table import Table
 
 from fleet import config
 from fleet.app import open_fleet
+from fleet.ggufhead import GgufError
 from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
 from fleet.market import MarketError
 from fleet.offers import effective_price_per_hour
+from fleet.plan import GIB
 from fleet.probes.runner import PROBES
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
@@ -174,6 +176,93 @@ def offers_cmd(
     out.print(f"  = {len(rows)} pass", highlight=False)
     if saved:
         out.print(f"saved {len(funnel.offers)} raw offers to {saved}")
+
+
+@app.command("plan")
+def plan_cmd(
+    model: Model,
+    ctx: Annotated[int | None, typer.Option("--ctx", help="Context of one slot (default: the profile's).")] = None,
+    slots: Annotated[int | None, typer.Option("--slots", help="Slots (default: the profile's).")] = None,
+    gpu_ram: Annotated[
+        float | None, typer.Option("--gpu-ram", help="Also say how many slots fit this many GB.")
+    ] = None,
+    swa_full: Annotated[
+        bool | None,
+        typer.Option(
+            "--swa-full/--no-swa-full", help="Windowed layers keep the whole context (default: the profile's flags)."
+        ),
+    ] = None,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """GPU memory a model needs, from its GGUF header read over HTTP ranges (no download)."""
+    settings = load_settings(config_path)
+    if (ctx is not None and ctx < 1) or (slots is not None and slots < 1) or (gpu_ram is not None and gpu_ram <= 0):
+        fail("--ctx, --slots and --gpu-ram must be positive", 2)
+    try:
+        settings.profile(model)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            try:
+                return await fleet.plan(model, ctx, slots, swa_full)
+            except GgufError as e:
+                fail(f"plan: {e}")
+
+    plan = run_async(go)
+    data = plan.as_dict()
+    if gpu_ram is not None:
+        data["max_slots"][f"{gpu_ram:g}"] = plan.max_slots(int(gpu_ram * GIB))
+    if json_output:
+        print_json(data)
+        return
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:8.2f} GiB"
+
+    w = plan.weights
+    out.print(
+        f"[bold]{model}[/bold]: {plan.slots} slots x {plan.cache.ctx_per_slot} tokens, cache "
+        f"{plan.cache.type_k}/{plan.cache.type_v}, -ub {plan.cache.ubatch}, swa-full "
+        f"{'on' if plan.cache.swa_full else 'off'}",
+        highlight=False,
+    )
+    table = Table(show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    rows = [
+        ("weights: experts", w.experts),
+        ("weights: attention", w.attention),
+        ("weights: embeddings", w.embeddings),
+        ("weights: other", w.other),
+    ]
+    if plan.draft_weights:
+        rows.append(("weights: draft model", plan.draft_weights.total))
+    layers = plan.per_slot.layers
+    rows += [
+        (f"per slot: KV of {layers['global']} global layers", plan.per_slot.kv_global),
+        (f"per slot: KV of {layers['windowed']} windowed layers", plan.per_slot.kv_windowed),
+        (f"per slot: state of {layers['recurrent']} recurrent layers", plan.per_slot.recurrent),
+    ]
+    if plan.draft_per_slot:
+        rows.append(("per slot: draft model cache", plan.draft_per_slot.total))
+    rows += [
+        ("runtime overhead", plan.overhead_bytes),
+        ("headroom", plan.headroom_bytes),
+        (f"total at {plan.slots} slots", plan.total_bytes()),
+    ]
+    for label, value in rows:
+        table.add_row(label, gib(value))
+    out.print(table)
+    fits = ", ".join(f"{gb} GB: {n}" for gb, n in data["max_slots"].items())
+    out.print(f"most slots per card: {fits}", highlight=False)
+    out.print(
+        f"read {plan.bytes_fetched:,} bytes of {plan.file_bytes:,} "
+        f"({100 * plan.bytes_fetched / max(plan.file_bytes, 1):.3f}%)",
+        highlight=False,
+    )
 
 
 @app.command("up")

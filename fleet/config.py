@@ -134,7 +134,19 @@ class Profile(Strict):
         for forbidden in ("--api-key", "--port", "--host", "-m", "--model"):
             if forbidden in self.args:
                 raise ValueError(f"args: {forbidden} is set by fleet, not the profile")
+        # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
+        if "-np" in self.args and self.args[self.args.index("-np") + 1 :][:1] != [str(self.slots)]:
+            raise ValueError(f"args: -np must equal slots ({self.slots})")
+        if "-c" in self.args and self.args[self.args.index("-c") + 1 :][:1] != [str(self.slots * self.ctx_per_slot)]:
+            raise ValueError(f"args: -c must equal slots x ctx_per_slot ({self.slots * self.ctx_per_slot})")
         return self
+
+
+class PlanConfig(Strict):
+    """What the VRAM planner adds beyond weights and cache (DOMAIN.md: ~570 MiB measured on a 3090)."""
+
+    runtime_overhead_mib: Annotated[float, Field(ge=0)] = 570
+    headroom_mib: Annotated[float, Field(ge=0)] = 512
 
 
 class Probes(Strict):
@@ -158,6 +170,7 @@ class Settings(Strict):
     caps: Caps = Caps()
     up: Up = Up()
     probes: Probes = Probes()
+    plan: PlanConfig = PlanConfig()
     models: dict[str, Profile]
 
     @field_validator("regions")

@@ -24,12 +24,15 @@ from typing import Any, Protocol
 import asyncssh
 import httpx
 
+from fleet import ggufhead
 from fleet import offers as offer_rules
 from fleet.config import Profile, Settings
 from fleet.db import Record
+from fleet.ggufhead import GgufHeader
 from fleet.market import FAILED, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, run_bench
 from fleet.probes.call import load_call
@@ -173,15 +176,59 @@ class Fleet:
         self.reporter = reporter or QuietReporter()
         self.waits = Waits()
         self._create_lock = asyncio.Lock()
+        self._headers: dict[str, GgufHeader] = {}
+
+    # ---- offers ---------------------------------------------------------------------------
+    # ---- plan ---------------------------------------------------------------------------
+    def file_url(self, repo: str, revision: str, filename: str) -> str:
+        return f"{self.hub_url}/{repo}/resolve/{revision}/{filename}"
+
+    async def _header(self, url: str) -> GgufHeader:
+        if url not in self._headers:
+            token = os.environ.get(self.settings.hub.token_env, "")
+            async with self.waits.on("hub"):
+                self._headers[url] = await ggufhead.read_url(
+                    url, {"Authorization": f"Bearer {token}"} if token else None
+                )
+        return self._headers[url]
+
+    async def plan(
+        self, model: str, ctx_per_slot: int | None = None, slots: int | None = None, swa_full: bool | None = None
+    ) -> Plan:
+        """GPU memory for the profile (or the given overrides), from its GGUF headers over HTTP ranges."""
+        profile = self.settings.profile(model)
+        cache = cache_settings_from_args(profile.args, ctx_per_slot or profile.ctx_per_slot)
+        if swa_full is not None:
+            cache = CacheSettings(cache.ctx_per_slot, cache.ubatch, swa_full, cache.type_k, cache.type_v)
+        files = {f.key: f for f in profile.files}
+        main = await self._header(self.file_url(files["main"].repo, files["main"].revision, files["main"].file))
+        draft = None
+        if "draft" in files:
+            d = files["draft"]
+            draft = await self._header(self.file_url(d.repo, d.revision, d.file))
+        p = self.settings.plan
+        return make_plan(
+            model,
+            slots or profile.slots,
+            cache,
+            main,
+            draft,
+            PlanSettings(int(p.runtime_overhead_mib * MIB), int(p.headroom_mib * MIB)),
+        )
 
     # ---- offers ---------------------------------------------------------------------------
     def criteria(
-        self, profile: Profile, region: str, max_price: float | None, excluded: set[int] | None = None
+        self,
+        profile: Profile,
+        region: str,
+        max_price: float | None,
+        excluded: set[int] | None = None,
+        planned_gb: float = 0.0,
     ) -> offer_rules.Criteria:
         return offer_rules.Criteria(
             countries=frozenset(self.settings.region(region)),
             filters=self.settings.filters,
-            min_gpu_ram_gb=profile.gpu_ram_gb,
+            min_gpu_ram_gb=max(profile.gpu_ram_gb * 0.97, planned_gb),  # a "24 GB" card reports 23.99 GiB
             max_usd_per_hour=max_price,
             excluded_machines=frozenset(excluded or ()),
         )
@@ -192,7 +239,8 @@ class Fleet:
         """Search, re-check every filter locally, rank by effective $/h; record what was seen."""
         profile = self.settings.profile(model)
         excluded = self._unusable_machines() if exclude_unusable else set()
-        criteria = self.criteria(profile, region, max_price, excluded)
+        needed = (await self.plan(model)).total_bytes() / GIB
+        criteria = self.criteria(profile, region, max_price, excluded, planned_gb=needed)
         async with self.waits.on("market"):
             found = await self.market.search(offer_rules.query_for(criteria, profile))
         for o in found:

@@ -55,7 +55,12 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
     ]
     if f.verified_only:
         checks.append(("verified", lambda o: o.verified))
-    checks.append((f"GPU memory >= {c.min_gpu_ram_gb:g} GB", lambda o: o.gpu_ram_mb / 1024 >= c.min_gpu_ram_gb * 0.97))
+    checks.append(
+        (
+            f"GPU memory >= {c.min_gpu_ram_gb:.2f} GB (plan)",
+            lambda o: o.gpu_ram_mb * o.num_gpus / 1024 >= c.min_gpu_ram_gb,
+        )
+    )
     if c.excluded_machines:
         checks.append(("machine blacklisted or taken", lambda o: o.machine_id not in c.excluded_machines))
     if c.max_usd_per_hour is not None:
@@ -86,6 +91,6 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile) -> Fun
 def query_for(criteria: Criteria, profile: Profile) -> OfferQuery:
     return OfferQuery(
         countries=sorted(criteria.countries),
-        min_gpu_ram_mb=int(criteria.min_gpu_ram_gb * 1024 * 0.97),
+        min_gpu_ram_mb=int(criteria.min_gpu_ram_gb * 1024 / 8),  # the pool: a card of 8 GPUs could hold it
         allocated_disk_gb=profile.disk_gb,
     )

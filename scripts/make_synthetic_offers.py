@@ -16,6 +16,7 @@ GPUS = {  # name: (MB per GPU, compute cap, max power W, mem bw GB/s, TFLOPS)
     "RTX A5000": (24564, 860, 230.0, 768.0, 27.8),
     "RTX A6000": (49140, 860, 300.0, 768.0, 38.7),
     "L40S": (46068, 890, 350.0, 864.0, 91.6),
+    "RTX A4000": (16376, 860, 140.0, 448.0, 19.2),
 }
 # (gpu, n, country, dph_base, reliability, cuda, direct ports, inet $/GB, disk GB, verified, why)
 ROWS = [
@@ -39,6 +40,7 @@ ROWS = [
     ("L40S", 1, "Ireland, IE", 0.781, 0.997, 12.8, 40, 0.003, 1000, True, ""),
     ("L40S", 1, "Quebec, CA", 0.699, 0.996, 12.8, 40, 0.003, 1000, True, "not EU"),
     ("RTX 4090", 1, "Guangdong, CN", 0.280, 0.981, 12.8, 10, 0.010, 200, True, "not EU"),
+    ("RTX A4000", 1, "Portugal, PT", 0.142, 0.991, 12.8, 8, 0.005, 150, True, "16 GB: too small for a4b"),
 ]
 
 

@@ -160,6 +160,9 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return json_response({"status": "ok"})
 
+    async def admin_hub_stats(request: web.Request) -> web.Response:
+        return json_response({"bytes_served": hub.bytes_served})
+
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)
         r.add_route(method, path.rstrip("/") if path.endswith("/") else path + "/", handler)
@@ -181,6 +184,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("GET", "/admin/faults", admin_faults_get)
     both("PUT", "/admin/faults", admin_faults_put)
     both("PUT", "/admin/offers/{id}", admin_offer_put)
+    both("GET", "/admin/hub-stats", admin_hub_stats)
     for route in hub.routes():
         r.add_route(route.method, route.path, route.handler)
     return app

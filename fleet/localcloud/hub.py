@@ -15,18 +15,30 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import tinymodels
+from fleet.localcloud import replicas, tinymodels
 from fleet.localcloud.faults import Faults
 
 TINY_REPO = "fleet-local/tiny-models"
 CHUNK = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass
 class HubFile:
+    repo: str
     path: Path
-    sha256: str
     size: int
+    sha256: str | None = None  # computed on first need (header replicas are many GB of hole)
+
+    def digest(self) -> str:
+        """The sha256, cached beside the file so that a large replica is hashed once per machine."""
+        if self.sha256 is None:
+            sidecar = self.path.with_name(self.path.name + ".sha256")
+            if sidecar.exists() and sidecar.stat().st_mtime >= self.path.stat().st_mtime:
+                self.sha256 = sidecar.read_text().strip()
+            else:
+                self.sha256 = tinymodels.sha256_of(self.path)
+                sidecar.write_text(self.sha256 + "\n")
+        return self.sha256
 
 
 class Hub:
@@ -35,17 +47,21 @@ class Hub:
         self.bytes_per_s = bytes_per_s
         self._faults = faults  # () -> Faults, so admin changes apply at once
         self._by_repo: dict[tuple[str, str], HubFile] = {}
-        self._by_sha: dict[str, HubFile] = {}
+        self.bytes_served: dict[str, int] = {}  # repo/file -> body bytes written, for tests and demos
 
     def publish_tiny_models(self) -> None:
         directory = self.root / TINY_REPO
         for path in tinymodels.ensure(directory).values():
-            self.add(TINY_REPO, path)
+            self.add(TINY_REPO, path).digest()
+
+    def publish_replicas(self, directory: Path) -> None:
+        """The header replicas of the real models, under their Hugging Face repos."""
+        for (repo, _), path in replicas.ensure(directory).items():
+            self.add(repo, path)
 
     def add(self, repo: str, path: Path) -> HubFile:
-        entry = HubFile(path, tinymodels.sha256_of(path), path.stat().st_size)
+        entry = HubFile(repo, path, path.stat().st_size)
         self._by_repo[(repo, path.name)] = entry
-        self._by_sha[entry.sha256] = entry
         return entry
 
     def lookup(self, repo: str, filename: str) -> HubFile | None:
@@ -53,7 +69,7 @@ class Hub:
 
     def routes(self) -> list[web.RouteDef]:
         return [
-            web.route("*", "/cdn/{sha}/{file}", self.serve),
+            web.route("*", "/cdn/{owner}/{repo}/{file}", self.serve),
             web.route("*", "/{owner}/{repo}/resolve/{rev}/{file:.+}", self.resolve),
         ]
 
@@ -66,13 +82,14 @@ class Hub:
             return web.json_response(
                 {"error": "Entry not found"}, status=404, headers={"X-Error-Code": "EntryNotFound"}
             )
+        sha256 = await asyncio.to_thread(entry.digest)
         return web.Response(
             status=302,
             headers={
-                "Location": f"/cdn/{entry.sha256}/{entry.path.name}",
-                "X-Linked-Etag": f'"{entry.sha256}"',
+                "Location": f"/cdn/{repo}/{entry.path.name}",
+                "X-Linked-Etag": f'"{sha256}"',
                 "X-Linked-Size": str(entry.size),
-                "ETag": f'"{entry.sha256}"',
+                "ETag": f'"{sha256}"',
                 "X-Repo-Commit": "0" * 40,
             },
         )
@@ -80,7 +97,8 @@ class Hub:
     async def serve(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        entry = self._by_sha.get(request.match_info["sha"])
+        repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
             raise web.HTTPNotFound()
         start, end = 0, entry.size - 1
@@ -133,6 +151,8 @@ class Hub:
                     block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1 :]
                 if reset_after is not None and sent + len(block) > reset_after:
                     await response.write(block[: reset_after - sent])
+                    key = f"{entry.repo}/{entry.path.name}"
+                    self.bytes_served[key] = self.bytes_served.get(key, 0) + reset_after - sent
                     if request.transport is not None:
                         request.transport.abort()
                     return response
@@ -141,5 +161,7 @@ class Hub:
                     await asyncio.sleep(ahead)
                 await response.write(block)
                 sent += len(block)
+                key = f"{entry.repo}/{entry.path.name}"
+                self.bytes_served[key] = self.bytes_served.get(key, 0) + len(block)
         await response.write_eof()
         return response

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import toolchain
+from fleet.localcloud import replicas, toolchain
 from fleet.localcloud.api import build_app
 from fleet.localcloud.cloud import Cloud, CloudSettings, _write_json_atomic
 from fleet.localcloud.hub import Hub
@@ -27,6 +27,7 @@ async def serve(settings: CloudSettings, host: str, port: int) -> None:
     cloud = Cloud(settings)
     hub = Hub(settings.state_dir / "hub", settings.hub_bytes_per_s, lambda: cloud.faults)
     await asyncio.to_thread(hub.publish_tiny_models)
+    await asyncio.to_thread(hub.publish_replicas, toolchain.cache_dir() / "replicas" / f"v{replicas.REPLICA_FORMAT}")
     runner = web.AppRunner(build_app(cloud, hub), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

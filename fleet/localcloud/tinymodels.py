@@ -230,8 +230,28 @@ def ensure(directory: Path) -> dict[str, Path]:
 
 
 def sha256_of(path: Path) -> str:
+    """The file's sha256. Holes of a sparse file are hashed from a zero buffer, not read."""
     digest = hashlib.sha256()
+    zeros = bytes(1 << 24)
+    size = path.stat().st_size
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        fd = f.fileno()
+        pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # no data after pos: the rest is a hole
+                data = size
+            while pos < data:  # a hole
+                n = min(len(zeros), data - pos)
+                digest.update(zeros[:n] if n < len(zeros) else zeros)
+                pos += n
+            if pos >= size:
+                break
+            hole = os.lseek(fd, pos, os.SEEK_HOLE)
+            f.seek(pos)
+            while pos < hole:
+                block = f.read(min(1 << 20, hole - pos))
+                digest.update(block)
+                pos += len(block)
     return digest.hexdigest()

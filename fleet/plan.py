@@ -1,0 +1,276 @@
+"""The GPU memory a profile needs, from its GGUF headers alone (DOMAIN.md "KV-cache rules").
+
+- weights: every tensor at its type's block size (the gguf package's table), split by kind;
+- per slot: the KV cache of each attention layer (its own KV heads and head sizes; a windowed layer
+  keeps only the window plus one micro-batch of cells unless --swa-full), at the cache type's size,
+  plus the fixed recurrent state (f32) of each recurrent layer, whatever the context;
+- the draft model's own weights and cache, a runtime overhead and a headroom from fleet.toml.
+Pure functions over parsed headers; reading the headers is ggufhead.py's job.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+
+from fleet.ggufhead import GgufError, GgufHeader
+
+GIB = 1024**3
+MIB = 1024**2
+CELL_PAD = 256
+CARD_SIZES_GB = (16, 24, 32, 48, 80, 96, 141)
+CACHE_TYPES = {
+    "f32": gguf.GGMLQuantizationType.F32,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "bf16": gguf.GGMLQuantizationType.BF16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1,
+    "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
+}
+# Architectures whose windowed layers follow a period (llama.cpp's set_swa_pattern) when the file
+# has no per-layer pattern: every `period`-th layer is global.
+SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4}
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    ctx_per_slot: int
+    ubatch: int = 512
+    swa_full: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+
+@dataclass
+class Weights:
+    experts: int = 0
+    attention: int = 0
+    embeddings: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.experts + self.attention + self.embeddings + self.other
+
+
+@dataclass
+class SlotCost:
+    kv_global: int = 0
+    kv_windowed: int = 0
+    recurrent: int = 0
+    layers: dict[str, int] = field(default_factory=dict)  # global / windowed / recurrent layer counts
+
+    @property
+    def total(self) -> int:
+        return self.kv_global + self.kv_windowed + self.recurrent
+
+
+def _pad(n: int, to: int = CELL_PAD) -> int:
+    return -(-n // to) * to
+
+
+def _cache_bytes(elements: int, type_name: str) -> int:
+    try:
+        block, size = gguf.GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+    except KeyError:
+        raise GgufError(f"unknown cache type {type_name!r} (have: {', '.join(CACHE_TYPES)})") from None
+    if elements % block:
+        raise GgufError(f"a KV row of {elements} elements does not fit {type_name}'s block of {block}")
+    return elements // block * size
+
+
+def weights(header: GgufHeader) -> Weights:
+    w = Weights()
+    for t in header.tensors:
+        name = t.name
+        if "_exps" in name or "_shexp" in name or ".ffn_gate_inp" in name:
+            w.experts += t.nbytes
+        elif ".attn_" in name:
+            w.attention += t.nbytes
+        elif name.startswith(("token_embd", "output.", "per_layer_token_embd")) or name == "output":
+            w.embeddings += t.nbytes
+        else:
+            w.other += t.nbytes
+    return w
+
+
+def _per_layer(value: Any, n_layer: int, name: str) -> list[int]:
+    if value is None:
+        return [0] * n_layer
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise GgufError(f"{name}: {len(value)} values for {n_layer} layers")
+        return [int(v) for v in value]
+    return [int(value)] * n_layer
+
+
+def windowed_layers(header: GgufHeader, n_layer: int) -> list[bool]:
+    if not header.key("attention.sliding_window"):
+        return [False] * n_layer
+    pattern = header.key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise GgufError(f"sliding_window_pattern: {len(pattern)} values for {n_layer} layers")
+        return [bool(p) for p in pattern]
+    period = int(pattern) if pattern else SWA_PERIOD.get(header.arch, 0)
+    if period <= 0:
+        return [True] * n_layer  # a window on every layer (mistral-style)
+    return [(i + 1) % period != 0 for i in range(n_layer)]
+
+
+def slot_cost(header: GgufHeader, cache: CacheSettings) -> SlotCost:
+    """What one slot of `cache.ctx_per_slot` tokens costs in GPU memory for this model."""
+    n_layer = int(header.key("block_count") or 0)
+    if n_layer <= 0:
+        raise GgufError(f"{header.source}: no {header.arch}.block_count in the header")
+    n_embd = int(header.key("embedding_length") or 0)
+    heads = _per_layer(header.key("attention.head_count", 0), n_layer, "attention.head_count")
+    kv_heads = _per_layer(
+        header.key("attention.head_count_kv", header.key("attention.head_count", 0)), n_layer, "attention.head_count_kv"
+    )
+    ff = header.key("feed_forward_length")
+    ff_layers = _per_layer(ff, n_layer, "feed_forward_length") if isinstance(ff, list) else None
+    default_dim = n_embd // max(max(heads), 1) if n_embd else 0
+    k_len = int(header.key("attention.key_length") or default_dim)
+    v_len = int(header.key("attention.value_length") or k_len)
+    k_len_swa = int(header.key("attention.key_length_swa") or k_len)
+    v_len_swa = int(header.key("attention.value_length_swa") or v_len)
+    windowed = windowed_layers(header, n_layer)
+    window = int(header.key("attention.sliding_window") or 0)
+    d_state = int(header.key("ssm.state_size") or 0)
+
+    cells = _pad(cache.ctx_per_slot)
+    cells_windowed = cells if cache.swa_full else min(cells, _pad(window + cache.ubatch))
+    cost = SlotCost(layers={"global": 0, "windowed": 0, "recurrent": 0})
+    for i in range(n_layer):
+        if kv_heads[i] > 0:
+            kl, vl = (k_len_swa, v_len_swa) if windowed[i] else (k_len, v_len)
+            per_cell = _cache_bytes(kv_heads[i] * kl, cache.type_k) + _cache_bytes(kv_heads[i] * vl, cache.type_v)
+            if windowed[i]:
+                cost.kv_windowed += per_cell * cells_windowed
+                cost.layers["windowed"] += 1
+            else:
+                cost.kv_global += per_cell * cells
+                cost.layers["global"] += 1
+        elif d_state and (ff_layers is None or ff_layers[i] == 0):
+            d_inner = int(header.key("ssm.inner_size") or 0)
+            d_conv = int(header.key("ssm.conv_kernel") or 0)
+            n_group = int(header.key("ssm.group_count") or 0)
+            conv = (d_conv - 1) * (d_inner + 2 * n_group * d_state)
+            cost.recurrent += 4 * (conv + d_state * d_inner)  # f32 states
+            cost.layers["recurrent"] += 1
+    return cost
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    runtime_overhead_bytes: int
+    headroom_bytes: int
+
+
+@dataclass
+class Plan:
+    model: str
+    slots: int
+    cache: CacheSettings
+    weights: Weights
+    draft_weights: Weights | None
+    per_slot: SlotCost
+    draft_per_slot: SlotCost | None
+    overhead_bytes: int
+    headroom_bytes: int
+    bytes_fetched: int
+    file_bytes: int
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.weights.total + (self.draft_weights.total if self.draft_weights else 0)
+
+    @property
+    def per_slot_bytes(self) -> int:
+        return self.per_slot.total + (self.draft_per_slot.total if self.draft_per_slot else 0)
+
+    def total_bytes(self, slots: int | None = None) -> int:
+        n = self.slots if slots is None else slots
+        return self.weights_bytes + n * self.per_slot_bytes + self.overhead_bytes + self.headroom_bytes
+
+    def max_slots(self, card_bytes: int) -> int:
+        free = card_bytes - self.weights_bytes - self.overhead_bytes - self.headroom_bytes
+        if free < 0 or self.per_slot_bytes <= 0:
+            return 0 if free < 0 else 10**6
+        return free // self.per_slot_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "slots": self.slots,
+            "ctx_per_slot": self.cache.ctx_per_slot,
+            "cache": vars(self.cache),
+            "weights_bytes": self.weights_bytes,
+            "weights": {**vars(self.weights), "total": self.weights.total},
+            "draft_weights": {**vars(self.draft_weights), "total": self.draft_weights.total}
+            if self.draft_weights
+            else None,
+            "per_slot_bytes": self.per_slot_bytes,
+            "per_slot": {
+                "kv_global": self.per_slot.kv_global,
+                "kv_windowed": self.per_slot.kv_windowed,
+                "recurrent": self.per_slot.recurrent,
+                "layers": self.per_slot.layers,
+                "draft": self.draft_per_slot.total if self.draft_per_slot else 0,
+            },
+            "overhead_bytes": self.overhead_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "total_bytes": self.total_bytes(),
+            "max_slots": {str(gb): self.max_slots(gb * GIB) for gb in CARD_SIZES_GB},
+            "bytes_fetched": self.bytes_fetched,
+            "file_bytes": self.file_bytes,
+        }
+
+
+def cache_settings_from_args(args: list[str], ctx_per_slot: int) -> CacheSettings:
+    """The cache-shaping flags of a llama-server command line."""
+
+    def value(*flags: str, default: str) -> str:
+        for i, a in enumerate(args):
+            if a in flags and i + 1 < len(args):
+                return args[i + 1]
+            for flag in flags:
+                if a.startswith(flag + "="):
+                    return a.split("=", 1)[1]
+        return default
+
+    ubatch = value("-ub", "--ubatch-size", default="512")
+    if not re.fullmatch(r"\d+", ubatch):
+        raise GgufError(f"-ub {ubatch!r} is not a number")
+    return CacheSettings(
+        ctx_per_slot=ctx_per_slot,
+        ubatch=int(ubatch),
+        swa_full="--swa-full" in args,
+        type_k=value("-ctk", "--cache-type-k", default="f16"),
+        type_v=value("-ctv", "--cache-type-v", default="f16"),
+    )
+
+
+def make_plan(
+    model: str, slots: int, cache: CacheSettings, main: GgufHeader, draft: GgufHeader | None, settings: PlanSettings
+) -> Plan:
+    return Plan(
+        model=model,
+        slots=slots,
+        cache=cache,
+        weights=weights(main),
+        draft_weights=weights(draft) if draft else None,
+        per_slot=slot_cost(main, cache),
+        draft_per_slot=slot_cost(draft, cache) if draft else None,
+        overhead_bytes=settings.runtime_overhead_bytes,
+        headroom_bytes=settings.headroom_bytes,
+        bytes_fetched=main.bytes_fetched + (draft.bytes_fetched if draft else 0),
+        file_bytes=(main.file_size or 0) + ((draft.file_size or 0) if draft else 0),
+    )
