@@ -8,6 +8,7 @@ its first byte, never downloaded. The bytes fetched are counted.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,24 @@ async def read_url(url: str, headers: dict[str, str] | None = None, timeout_s: f
 
 
 async def _range(
+    client: httpx.AsyncClient, url: str, start: int, end: int, shown: str, tries: int = 3
+) -> tuple[bytes, int | None, str]:
+    """One range, tried again when the connection breaks (CDNs reset connections too)."""
+    for attempt in range(tries):
+        try:
+            return await _range_once(client, url, start, end, shown)
+        except _Broken as e:
+            if attempt == tries - 1:
+                raise GgufError(f"{shown}: {e}") from None
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+class _Broken(Exception):
+    pass
+
+
+async def _range_once(
     client: httpx.AsyncClient, url: str, start: int, end: int, shown: str
 ) -> tuple[bytes, int | None, str]:
     try:
@@ -230,5 +249,7 @@ async def _range(
                 if len(body) > end - start + 1:
                     raise GgufError(f"{shown}: the server sent more than the range asked for")
             return body, int(total) if total.isdigit() else None, str(r.url)
+    except httpx.TransportError as e:
+        raise _Broken(f"{type(e).__name__}: {e}") from None
     except httpx.HTTPError as e:
         raise GgufError(f"{shown}: {type(e).__name__}: {e}") from None

@@ -310,3 +310,15 @@ async def test_up_uses_the_plan_filter(cloud, local_cloud_env, tmp_path):
     async with fleet_for(settings_for(tmp_path)) as fleet:
         result = await fleet.up(UpRequest("a4b", "eu", dry_run=True))
     assert result.planned and all(o.gpu_ram_mb >= 20000 for o in result.planned)
+
+
+async def test_a_reset_header_range_is_tried_again(cloud, local_cloud_env, tmp_path):
+    cloud.set_faults({"pull_reset": {"after_bytes": 1000, "count": 1}})
+    try:
+        async with fleet_for(settings_for(tmp_path)) as fleet:
+            p = await fleet.plan("12b")
+        assert p.per_slot.layers == {"global": 8, "windowed": 40, "recurrent": 0}
+        async with cloud.client() as api:
+            assert (await api.get("/admin/faults")).json()["pull_reset"]["count"] == 0
+    finally:
+        cloud.set_faults({})
