@@ -15,21 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.localcloud import tinymodels, toolchain
-from fleet.localcloud.hosts import free_port
+from fleet.localcloud.llamaproc import llama_server
 from fleet.probes.stream import Connection
 
 BODY = {
@@ -78,35 +73,9 @@ async def main(requests: int) -> None:
         raise SystemExit("llama-server is not built: run scripts/setup")
     with tempfile.TemporaryDirectory() as tmp:
         model = tinymodels.generate("tiny", Path(tmp) / "tiny.gguf")
-        port = free_port()
-        process = subprocess.Popen(
-            [
-                str(server),
-                "-m",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "-np",
-                "1",
-                "-c",
-                "2048",
-                "-t",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            for _ in range(200):
-                try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.05)
+        flags = ["-np", "1", "-c", "2048", "-t", "1"]
+        with llama_server(server, model, *flags) as base:
+            port = int(base.rsplit(":", 1)[1])
             for _ in range(10):  # warm both paths
                 await bare("127.0.0.1", port)
                 await harness(base)
@@ -117,9 +86,6 @@ async def main(requests: int) -> None:
                 else:
                     b, h = await bare("127.0.0.1", port), await harness(base)
                 pairs.append((b, h))
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(10)
     bare_ms = statistics.median(b for b, _ in pairs)
     harness_ms = statistics.median(h for _, h in pairs)
     added = statistics.median(h - b for b, h in pairs)

@@ -110,3 +110,12 @@ def vastai_bin() -> str:
     if path is None:
         pytest.fail("the vastai CLI is not installed (pip install 'vastai==1.9.1')")
     return path
+
+
+@pytest.fixture
+def local_cloud_env(cloud: CloudHandle, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Point fleet at the module's local cloud, with no fault left over."""
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+    cloud.set_faults({})
+    yield
+    cloud.set_faults({})

@@ -57,3 +57,13 @@ def with_variant(
         }
     )
     return settings.model_copy(update={"models": {**settings.models, name: variant}})
+
+
+def write_config(tmp: Path, extra: str = "") -> Path:
+    """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read."""
+    text = (
+        (ROOT / "fleet.toml").read_text().replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp}/fleet.db"')
+    )
+    path = tmp / "fleet.toml"
+    path.write_text(text + extra)
+    return path

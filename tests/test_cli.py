@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fleet.localcloud import procs
+from tests.fleetkit import write_config
 from tests.helpers import host_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,16 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def env(cloud, tmp_path):
-    config = (
-        (ROOT / "fleet.toml")
-        .read_text()
-        .replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp_path}/fleet.db"')
-    )
-    (tmp_path / "fleet.toml").write_text(config)
     cloud.set_faults({})
     return {
         **os.environ,
-        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_CONFIG": str(write_config(tmp_path)),
         "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
     }
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from fleet import ggufhead, plan
 from fleet.lifecycle import UpRequest
-from tests.fleetkit import fleet_for, settings_for
+from tests.fleetkit import fleet_for, settings_for, write_config
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,11 +239,6 @@ async def test_a_server_ignoring_ranges_is_refused_without_a_download(odd_server
         await ggufhead.read_url("http://127.0.0.1:9/none.gguf")
 
 
-@pytest.fixture
-def local_cloud_env(cloud, monkeypatch):
-    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-
-
 async def test_plan_reads_under_one_percent_of_the_replica_from_the_hub(cloud, local_cloud_env, tmp_path):
     async with cloud.client() as api:
         before = (await api.get("/admin/hub-stats")).json()["bytes_served"]
@@ -271,17 +266,7 @@ def run_fleet(env, *args):
 
 
 def test_plan_cli_and_the_offer_filter(cloud, tmp_path):
-    config = (
-        (ROOT / "fleet.toml")
-        .read_text()
-        .replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp_path}/fleet.db"')
-    )
-    (tmp_path / "fleet.toml").write_text(config)
-    env = {
-        **os.environ,
-        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-    }
+    env = {**os.environ, "FLEET_CONFIG": str(write_config(tmp_path)), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}
     result = run_fleet(env, "plan", "--model", "a4b", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

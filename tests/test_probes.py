@@ -10,18 +10,20 @@ import sys
 import pytest
 
 from fleet.lifecycle import UpRequest
-from tests.fleetkit import fleet_for, settings_for, with_variant
+from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 
 SWA_TRAP = "tiny-gemma2-swa16.gguf"
 REWRITING = "tiny-llama-rewriting-template.gguf"
+TINY4 = (
+    "\n[models.tiny4]\ngpu_ram_gb = 0\ndisk_gb = 10\nslots = 4\nctx_per_slot = 2048\n"
+    'files = [{ key = "main", repo = "fleet-local/tiny-models", file = "tiny-llama-bytes.gguf" }]\n'
+    'args = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]\n'
+)
 
 
 @pytest.fixture(autouse=True)
-def local_cloud_env(cloud, monkeypatch):
-    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-    cloud.set_faults({})
+def _local_cloud(local_cloud_env):
     yield
-    cloud.set_faults({})
 
 
 async def test_every_probe_passes_on_a_healthy_host_and_is_recorded(tmp_path):
@@ -144,7 +146,7 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
                     str(tmp_path / "bench.csv"),
                     "--json",
                 ],
-                env={**os.environ, "FLEET_CONFIG": str(write_config(tmp_path, settings))},
+                env={**os.environ, "FLEET_CONFIG": str(write_config(tmp_path, TINY4))},
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -159,19 +161,3 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     assert cli.returncode == 0, cli.stderr
     assert [row["callers"] for row in json.loads(cli.stdout)] == [1, 2]
     assert (tmp_path / "bench.csv").read_text().splitlines()[0].startswith("callers,requests,errors")
-
-
-def write_config(tmp_path, settings):
-    """The CLI reads fleet.toml: write the repo's with this test's database and the tiny4 profile."""
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "fleet.toml").read_text()
-    text = text.replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{settings.database.file}"')
-    text += (
-        "\n[models.tiny4]\ngpu_ram_gb = 0\ndisk_gb = 10\nslots = 4\nctx_per_slot = 2048\n"
-        'files = [{ key = "main", repo = "fleet-local/tiny-models", file = "tiny-llama-bytes.gguf" }]\n'
-        'args = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]\n'
-    )
-    path = tmp_path / "fleet.toml"
-    path.write_text(text)
-    return path

@@ -1,16 +1,11 @@
 """The generated tiny models: deterministic bytes, served by the real llama-server, and the
 sliding-window and recurrent ones reproduce the cache loss of DOMAIN.md trap 2 / 5."""
 
-import os
-import signal
-import subprocess
-import time
-
 import httpx
 import pytest
 
 from fleet.localcloud import tinymodels
-from fleet.localcloud.hosts import free_port
+from fleet.localcloud.llamaproc import llama_server as run_llama_server
 
 
 def test_generation_is_deterministic(tmp_path):
@@ -24,44 +19,6 @@ def test_generation_is_deterministic(tmp_path):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return tinymodels.ensure(tmp_path_factory.mktemp("models"))
-
-
-def serve(llama_server, model, *flags):
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            str(llama_server),
-            "-m",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "-np",
-            "1",
-            "-c",
-            "4096",
-            "-t",
-            "1",
-            "-ub",
-            "64",
-            *flags,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return process, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    raise AssertionError("llama-server did not come up")
 
 
 def rewritten_second_turn(base: str) -> dict:
@@ -91,12 +48,9 @@ def rewritten_second_turn(base: str) -> dict:
     ],
 )
 def test_cache_loss_reproduces_on_the_window_and_recurrent_models(llama_server, models, name, flags, cache_lost):
-    process, base = serve(llama_server, models[name], *flags)
-    try:
+    flags = ["-np", "1", "-c", "4096", "-t", "1", "-ub", "64", *flags]
+    with run_llama_server(llama_server, models[name], *flags) as base:
         timings = rewritten_second_turn(base)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(10)
     if cache_lost:
         assert timings["cache_n"] == 0, timings
     else:

@@ -14,11 +14,8 @@ from tests.helpers import host_processes
 
 
 @pytest.fixture(autouse=True)
-def local_cloud_env(cloud, monkeypatch):
-    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-    cloud.set_faults({})
+def _local_cloud(local_cloud_env):
     yield
-    cloud.set_faults({})
 
 
 async def live_instances(cloud) -> list[dict]:

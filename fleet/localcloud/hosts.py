@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.localcloud import procs
+from fleet.localcloud.toolchain import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST_SCRIPTS = REPO_ROOT / "images" / "llama-server" / "host"
 SSHD = "/usr/sbin/sshd"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -1,0 +1,48 @@
+"""Running the locally built llama-server outside any host (tests of the tiny models, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from fleet.localcloud.hosts import free_port
+
+
+@contextmanager
+def llama_server(binary: Path, model: Path, *flags: str, timeout_s: float = 20.0) -> Iterator[str]:
+    """Serve `model` on a free loopback port in its own process group; yield the base URL; end it."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up on {base}")
+            time.sleep(0.05)
+        yield base
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
