@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleet import config
+from fleet import config, rotation
 from fleet.app import open_fleet
 from fleet.ggufhead import GgufError
 from fleet.lifecycle import UpRequest
@@ -539,6 +539,62 @@ def bench_cmd(
             fmt(level["throughput_tok_s"], "{:.1f}"),
             fmt(level["cache_reuse"], "{:.0%}"),
             str(level["errors"]),
+        )
+    out.print(table)
+
+
+@app.command("health")
+def health_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
+    """Check every READY host (marketplace, /health, a short completion); replace the unhealthy."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            return await rotation.health_sweep(fleet)
+
+    reports = run_async(go)
+    if json_output:
+        print_json(rotation.as_dicts(reports))
+    else:
+        for r in reports:
+            mark = "[green]ok[/green]" if r.healthy else f"[red]failing ({r.failures})[/red]"
+            extra = f"; replaced by {r.replaced_by}" if r.replaced_by else ""
+            out.print(f"{r.name}: {mark} {'' if r.healthy else r.reason}{extra}", highlight=False)
+        if not reports:
+            out.print("no READY host")
+
+
+@app.command("reprice")
+def reprice_cmd(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the moves; touch nothing.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Move hosts to cheaper passing offers where the saving clears the thresholds (make before break)."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            return await rotation.reprice(fleet, dry_run)
+
+    moves = run_async(go)
+    if json_output:
+        print_json(rotation.as_dicts(moves))
+        return
+    table = Table(title="reprice" + (" (dry run: nothing changed)" if dry_run else ""))
+    for column in ("host", "now $/h", "best offer", "best $/h", "saving %", "$/month net", "move", "why"):
+        table.add_column(column, no_wrap=column != "why")
+    for m in moves:
+        moved = ("-" if not m.move else (m.new_host or "failed")) if not dry_run else ("yes" if m.move else "no")
+        table.add_row(
+            m.name,
+            f"{m.current_usd_per_hour:.4f}",
+            str(m.best_offer or "-"),
+            "-" if m.best_usd_per_hour is None else f"{m.best_usd_per_hour:.4f}",
+            f"{m.saving_percent:.1f}",
+            f"{m.saving_usd_per_month:.2f}",
+            moved,
+            m.why,
         )
     out.print(table)
 

@@ -149,6 +149,26 @@ class PlanConfig(Strict):
     headroom_mib: Annotated[float, Field(ge=0)] = 512
 
 
+class Rotation(Strict):
+    """Health sweeps, repricing and replacement (make-before-break)."""
+
+    unhealthy_after_sweeps: Annotated[int, Field(ge=1)] = 2
+    health_timeout_s: Annotated[float, Field(gt=0)] = 10
+    max_concurrent_replacements: Annotated[int, Field(ge=1)] = 1
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 120
+    reprice_min_percent: Annotated[float, Field(ge=0)] = 10
+    reprice_min_usd_per_month: Annotated[float, Field(ge=0)] = 10
+    endpoints_file: str = "~/.local/state/fleet/endpoints.json"
+    health_every_s: Annotated[float, Field(gt=0)] = 60
+    reconcile_every_s: Annotated[float, Field(gt=0)] = 600
+    reprice_cron: str = "0 3 * * *"
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
+
+    @property
+    def endpoints_path(self) -> Path:
+        return Path(os.path.expanduser(self.endpoints_file))
+
+
 class Probes(Strict):
     """The probes' thresholds (which probes `fleet up` runs is per profile)."""
 
@@ -171,6 +191,7 @@ class Settings(Strict):
     up: Up = Up()
     probes: Probes = Probes()
     plan: PlanConfig = PlanConfig()
+    rotation: Rotation = Rotation()
     models: dict[str, Profile]
 
     @field_validator("regions")

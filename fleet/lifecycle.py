@@ -234,17 +234,24 @@ class Fleet:
         )
 
     async def offers(
-        self, model: str, region: str, max_price: float | None = None, exclude_unusable: bool = False
+        self,
+        model: str,
+        region: str,
+        max_price: float | None = None,
+        exclude_unusable: bool = False,
+        record_seen: bool = True,
     ) -> offer_rules.Funnel:
-        """Search, re-check every filter locally, rank by effective $/h; record what was seen."""
+        """Search, re-check every filter locally, rank by effective $/h; record what was seen (unless a
+        dry run asks to write nothing)."""
         profile = self.settings.profile(model)
         excluded = self._unusable_machines() if exclude_unusable else set()
         needed = (await self.plan(model)).total_bytes() / GIB
         criteria = self.criteria(profile, region, max_price, excluded, planned_gb=needed)
         async with self.waits.on("market"):
             found = await self.market.search(offer_rules.query_for(criteria, profile))
-        for o in found:
-            self.record.add_offer_seen(self.market.url, o)
+        if record_seen:
+            for o in found:
+                self.record.add_offer_seen(self.market.url, o)
         return offer_rules.funnel(found, criteria, profile)
 
     def _unusable_machines(self) -> set[int]:
@@ -438,6 +445,7 @@ class Fleet:
             raise PhaseFailed("probes", "; ".join(f"{r.name}: {r.diagnosis}" for r in failed))
         self.record.update(host, ready_at=utcnow(), state=HostState.READY)
         self._end_attempt(host, None, None, state=HostState.READY)
+        self.publish_endpoints()
         self.reporter.info(host.name, f"READY at {api_url} (${host.dph_total:.4f}/h)")
 
     async def _probe(
@@ -647,21 +655,37 @@ class Fleet:
         self.record.event("error", "phase", json.dumps({"phase": phase, "reason": reason}), host.id)
         self.record.update(host, state=HostState.FAILED, failed_phase=phase, failure_reason=reason)
         if blacklist:
-            self.record.add(
-                Blacklist(
-                    provider_url=host.provider_url,
-                    machine_id=host.machine_id,
-                    phase=phase,
-                    reason=reason,
-                    expires_at=utcnow() + timedelta(hours=self.settings.up.blacklist_hours),
-                )
-            )
+            self.blacklist_machine(host, phase, reason)
         attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)
         self.record.update(attempt, ended_at=utcnow(), outcome="failed", phase=phase, reason=reason)
         if host.instance_id is not None:
             await self._destroy_instance(host, final_state=HostState.FAILED)
         else:
             self.record.update(host, destroyed_at=utcnow(), accrued_usd=0.0)
+
+    def blacklist_machine(self, host: Host, phase: str, reason: str) -> None:
+        self.record.add(
+            Blacklist(
+                provider_url=host.provider_url,
+                machine_id=host.machine_id,
+                phase=phase,
+                reason=reason,
+                expires_at=utcnow() + timedelta(hours=self.settings.up.blacklist_hours),
+            )
+        )
+
+    def publish_endpoints(self) -> None:
+        """Write the READY set to rotation.endpoints_file (atomically, private), when it changed."""
+        path = self.settings.rotation.endpoints_path
+        text = json.dumps(self.endpoints(), indent=1, sort_keys=True) + "\n"
+        if path.exists() and path.read_text() == text:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
 
     async def _destroy_strays_of(self, host: Host) -> None:
         async with self.waits.on("market"):
@@ -688,6 +712,7 @@ class Fleet:
                 await asyncio.sleep(1.0)
         now = utcnow()
         self.record.update(host, state=final_state, destroyed_at=now, accrued_usd=accrued_usd(host, now))
+        self.publish_endpoints()
         self.record.event("answer", "destroy", json.dumps({"instance_id": host.instance_id, "gone": True}), host.id)
         self.reporter.info(host.name, f"instance {host.instance_id} destroyed; cost ${host.accrued_usd:.4f}")
 
@@ -710,6 +735,7 @@ class Fleet:
                 continue
             await self._destroy_instance(host)
             done.append(host)
+        self.publish_endpoints()
         return done
 
     # ---- status and reconcile ----------------------------------------------------------------
@@ -789,6 +815,7 @@ class Fleet:
                     "info", "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label})
                 )
                 report["strays_destroyed"].append(instance.id)
+        self.publish_endpoints()
         return report
 
 

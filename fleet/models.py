@@ -26,6 +26,7 @@ class HostState(enum.StrEnum):
     STARTING = "starting"  # llama-server loading
     PROBING = "probing"
     READY = "ready"
+    DRAINING = "draining"  # replaced: out of the endpoints, finishing what it serves, then destroyed
     FAILED = "failed"  # a phase failed; the instance is being or has been destroyed
     DESTROYING = "destroying"
     DESTROYED = "destroyed"
@@ -39,6 +40,7 @@ LIVE_STATES = (
     HostState.STARTING,
     HostState.PROBING,
     HostState.READY,
+    HostState.DRAINING,
     HostState.DESTROYING,
 )
 
@@ -81,6 +83,9 @@ class Host(SQLModel, table=True):
     failed_phase: str | None = None
     failure_reason: str | None = None
     accrued_usd: float | None = None  # closed cost, set when the host is destroyed
+    health_failures: int = 0  # consecutive failed health sweeps
+    last_health_at: datetime | None = None
+    replaces: int | None = Field(default=None, foreign_key="hosts.id")  # the host this one was brought up to replace
 
 
 class Attempt(SQLModel, table=True):

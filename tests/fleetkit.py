@@ -18,7 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
     """The repo's fleet.toml, with the database in `tmp` and any section's keys overridden."""
     base = config.load(ROOT / "fleet.toml")
-    update: dict[str, Any] = {"database": config.Database(path=str(tmp / "fleet.db"))}
+    update: dict[str, Any] = {
+        "database": config.Database(path=str(tmp / "fleet.db")),
+        "rotation": base.rotation.model_copy(
+            update={"endpoints_file": str(tmp / "endpoints.json"), **sections.pop("rotation", {})}
+        ),
+    }
     for name, values in sections.items():
         current = getattr(base, name)
         update[name] = current.model_copy(update=values)
@@ -61,9 +66,12 @@ def with_variant(
 
 def write_config(tmp: Path, extra: str = "") -> Path:
     """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read."""
-    text = (
-        (ROOT / "fleet.toml").read_text().replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp}/fleet.db"')
+    text = (ROOT / "fleet.toml").read_text()
+    text = text.replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp}/fleet.db"')
+    text = text.replace(
+        'endpoints_file = "~/.local/state/fleet/endpoints.json"', f'endpoints_file = "{tmp}/endpoints.json"'
     )
+    assert f"{tmp}/endpoints.json" in text and f"{tmp}/fleet.db" in text
     path = tmp / "fleet.toml"
     path.write_text(text + extra)
     return path

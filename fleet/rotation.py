@@ -1,0 +1,227 @@
+"""Rotation: health sweeps, nightly repricing, and make-before-break replacement.
+
+A replacement brings the new host up through the whole `fleet up` path (probes included) and
+publishes it before the old one leaves the endpoints; the old one then drains (no request in
+flight, or the drain timeout) and is destroyed. A replacement that fails leaves the old host as it
+was. The daemon's jobs call these same functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from fleet.lifecycle import Fleet, UpRequest
+from fleet.market import FAILED
+from fleet.models import Host, HostState, utcnow
+from fleet.offers import effective_price_per_hour
+
+HOURS_PER_MONTH = 730
+
+
+@dataclass
+class HealthReport:
+    name: str
+    healthy: bool
+    reason: str
+    failures: int
+    replaced_by: str | None = None
+
+
+@dataclass
+class Move:
+    name: str
+    model: str
+    region: str
+    current_offer: int
+    current_usd_per_hour: float
+    best_offer: int | None
+    best_usd_per_hour: float | None
+    saving_percent: float
+    saving_usd_per_month: float  # net of what the move costs
+    move: bool
+    why: str
+    new_host: str | None = None
+
+
+async def check_host(fleet: Fleet, host: Host) -> tuple[bool, bool, str]:
+    """(healthy, gone, reason): the marketplace's view by id, /health, and a short completion."""
+    assert host.instance_id is not None
+    instance = await fleet.market.get(host.instance_id)
+    if instance is None:
+        return False, True, "the instance is gone"
+    if instance.status in FAILED:
+        return False, True, f"the instance is {instance.status}"
+    timeout = fleet.settings.rotation.health_timeout_s
+    try:
+        async with httpx.AsyncClient(base_url=host.api_url or "", timeout=timeout) as client:
+            health = await client.get("/health")
+            if health.status_code != 200:
+                return False, False, f"/health answered {health.status_code}"
+            reply = await client.post(
+                "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {host.api_key}"},
+                json={"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2},
+            )
+            if reply.status_code != 200:
+                return False, False, f"completion answered {reply.status_code}"
+    except httpx.HTTPError as e:
+        return False, False, f"{type(e).__name__}: {e}"
+    return True, False, "ok"
+
+
+async def health_sweep(fleet: Fleet) -> list[HealthReport]:
+    """Check every READY host; replace those that failed K sweeps in a row or whose instance is gone."""
+    hosts = fleet.record.hosts(states=(HostState.READY,))
+    checks = await asyncio.gather(*(check_host(fleet, h) for h in hosts))
+    reports, doomed = [], []
+    for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
+        failures = 0 if healthy else host.health_failures + 1
+        fleet.record.update(host, health_failures=failures, last_health_at=utcnow())
+        if not healthy:
+            fleet.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
+        report = HealthReport(host.name, healthy, reason, failures)
+        reports.append(report)
+        if gone or failures >= fleet.settings.rotation.unhealthy_after_sweeps:
+            doomed.append((host, report))
+    limit = asyncio.Semaphore(fleet.settings.rotation.max_concurrent_replacements)
+
+    async def replace_one(host: Host, report: HealthReport) -> None:
+        async with limit:
+            new = await replace(fleet, host, f"unhealthy: {report.reason}", blacklist=True)
+            report.replaced_by = new.name if new else None
+
+    await asyncio.gather(*(replace_one(h, r) for h, r in doomed))
+    return reports
+
+
+async def replace(
+    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None = None
+) -> Host | None:
+    """Make before break: the new host READY and published first; then the old one drains and goes."""
+    fleet.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
+    fleet.reporter.info(old.name, f"replacing ({reason})")
+    result = await fleet.up(UpRequest(old.model, old.region, 1, max_price=max_price))
+    if not result.ready:
+        why = "; ".join(result.failures) or "no host came up"
+        fleet.record.event("error", "replace", json.dumps({"reason": reason, "failed": why}), old.id)
+        fleet.reporter.info(old.name, f"replacement failed, keeping this host: {why}")
+        return None
+    new = result.ready[0]
+    fleet.record.update(new, replaces=old.id)
+    await retire(fleet, old, reason, blacklist=blacklist)
+    fleet.record.event("answer", "replace", json.dumps({"reason": reason, "new_host": new.name}), old.id)
+    return new
+
+
+async def retire(fleet: Fleet, host: Host, reason: str, *, blacklist: bool) -> None:
+    """Take the host out of the endpoints, let it finish what it serves, destroy it."""
+    fleet.record.update(host, state=HostState.DRAINING)
+    fleet.publish_endpoints()
+    await drain(fleet, host)
+    if blacklist:
+        fleet.blacklist_machine(host, "rotation", reason)
+    await fleet.destroy([host.name])
+
+
+async def drain(fleet: Fleet, host: Host) -> None:
+    """Wait until no slot is processing a request (or the drain timeout, or the server is gone)."""
+    deadline = time.monotonic() + fleet.settings.rotation.drain_timeout_s
+    async with httpx.AsyncClient(
+        base_url=host.api_url or "", timeout=5, headers={"Authorization": f"Bearer {host.api_key}"}
+    ) as client:
+        while time.monotonic() < deadline:
+            try:
+                slots = (await client.get("/slots")).json()
+            except (httpx.HTTPError, ValueError):
+                return  # nothing to drain from a server that does not answer
+            if not any(s.get("is_processing") for s in slots if isinstance(s, dict)):
+                return
+            await asyncio.sleep(0.2)
+
+
+def judge_move(
+    host: Host,
+    best_offer_id: int | None,
+    best_usd_per_hour: float | None,
+    min_percent: float,
+    min_usd_per_month: float,
+    bring_up_hours: float,
+) -> Move:
+    """Is moving to the best offer worth it? Pure: the saving net of the move's cost (both hosts
+    billed while the new one comes up)."""
+    current = host.effective_usd_per_hour
+    if best_offer_id is None or best_usd_per_hour is None:
+        return Move(
+            host.name, host.model, host.region, host.offer_id, current, None, None, 0.0, 0.0, False, "no passing offer"
+        )
+    saving = current - best_usd_per_hour
+    percent = 100 * saving / current if current else 0.0
+    move_cost = (current + best_usd_per_hour) * bring_up_hours
+    monthly = saving * HOURS_PER_MONTH - move_cost
+    move = best_offer_id != host.offer_id and percent > min_percent and monthly > min_usd_per_month
+    if move:
+        why = f"{percent:.0f}% cheaper, ${monthly:.2f}/month net"
+    elif saving <= 0:
+        why = "already on the cheapest passing offer"
+    else:
+        why = (
+            f"saves {percent:.1f}% and ${monthly:.2f}/month net: under the thresholds "
+            f"({min_percent:g}%, ${min_usd_per_month:g}/month)"
+        )
+    return Move(
+        host.name,
+        host.model,
+        host.region,
+        host.offer_id,
+        current,
+        best_offer_id,
+        best_usd_per_hour,
+        round(percent, 2),
+        round(monthly, 2),
+        move,
+        why,
+    )
+
+
+async def reprice(fleet: Fleet, dry_run: bool) -> list[Move]:
+    """Find, for every READY host, the cheapest passing offer; move the host where it is worth it."""
+    rot = fleet.settings.rotation
+    moves = []
+    for host in fleet.record.hosts(states=(HostState.READY,)):
+        profile = fleet.settings.profile(host.model)
+        funnel = await fleet.offers(host.model, host.region, exclude_unusable=True, record_seen=not dry_run)
+        best = funnel.passed[0] if funnel.passed else None
+        bring_up_hours = (
+            (host.ready_at - host.created_at).total_seconds() / 3600 if host.ready_at and host.created_at else 0.25
+        )
+        moves.append(
+            judge_move(
+                host,
+                best.id if best else None,
+                effective_price_per_hour(best, profile) if best else None,
+                rot.reprice_min_percent,
+                rot.reprice_min_usd_per_month,
+                bring_up_hours,
+            )
+        )
+    if dry_run:
+        return moves
+    limit = asyncio.Semaphore(rot.max_concurrent_replacements)
+
+    async def go(move: Move) -> None:
+        async with limit:
+            host = fleet.record.hosts(names=[move.name])[0]
+            new = await replace(fleet, host, f"reprice: {move.why}", blacklist=False, max_price=host.dph_total - 1e-9)
+            move.new_host = new.name if new else None
+
+    await asyncio.gather(*(go(m) for m in moves if m.move))
+    return moves
+
+
+def as_dicts(items: list[HealthReport] | list[Move]) -> list[dict[str, object]]:
+    return [asdict(i) for i in items]

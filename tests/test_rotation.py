@@ -1,0 +1,231 @@
+"""Rotation on the local cloud: health sweeps, repricing, make-before-break replacement, the endpoints
+file, and a client that follows the endpoints through all of it."""
+
+import asyncio
+import json
+import shlex
+import sqlite3
+from datetime import timedelta
+
+import asyncssh
+import httpx
+import pytest
+
+from fleet import rotation
+from fleet.lifecycle import UpRequest
+from fleet.models import Host, HostState, utcnow
+from tests.fleetkit import fleet_for, settings_for
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
+
+
+def host(**kw) -> Host:
+    base = dict(
+        name="h",
+        run_id="r",
+        model="tiny",
+        region="eu",
+        provider_url="u",
+        label="fleet:h",
+        offer_id=1,
+        machine_id=1,
+        gpu_name="RTX 3090",
+        num_gpus=1,
+        gpu_ram_mb=24576,
+        geolocation="SE",
+        dph_total=0.30,
+        inet_up_usd_per_gb=0.0,
+        inet_down_usd_per_gb=0.0,
+        effective_usd_per_hour=0.30,
+    )
+    return Host(**{**base, **kw})
+
+
+def test_judge_move_nets_the_cost_of_moving():
+    worth = rotation.judge_move(host(), 2, 0.20, 10, 10, bring_up_hours=0.25)
+    assert worth.move and worth.saving_percent == pytest.approx(33.33, abs=0.01)
+    assert worth.saving_usd_per_month == pytest.approx(0.10 * 730 - 0.5 * 0.25, abs=0.01)
+    small = rotation.judge_move(host(), 2, 0.29, 10, 10, bring_up_hours=0.25)
+    assert not small.move and "under the thresholds" in small.why
+    same = rotation.judge_move(host(), 1, 0.30, 10, 10, bring_up_hours=0.25)
+    assert not same.move and "already on the cheapest" in same.why
+    none = rotation.judge_move(host(), None, None, 10, 10, bring_up_hours=0.25)
+    assert not none.move and none.why == "no passing offer"
+
+
+def settings_fast(tmp_path, **extra):
+    return settings_for(
+        tmp_path,
+        rotation={
+            "drain_timeout_s": 5,
+            "unhealthy_after_sweeps": 2,
+            "reprice_min_percent": 5,
+            "reprice_min_usd_per_month": 1,
+            **extra,
+        },
+    )
+
+
+class RoundRobinClient:
+    """A voice agent's view: reads the endpoints file, sends requests round-robin, fails over to the
+    next endpoint when one does not answer. Counts requests that failed on every endpoint."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.sent = self.failed = self.empty_reads = 0
+        self.stop = False
+        self.seen_urls: set[str] = set()
+
+    async def run(self) -> None:
+        turn = 0
+        async with httpx.AsyncClient(timeout=10) as client:
+            while not self.stop:
+                endpoints = json.loads(self.path.read_text())
+                if not endpoints:
+                    self.empty_reads += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                self.sent += 1
+                for i in range(len(endpoints)):
+                    e = endpoints[(turn + i) % len(endpoints)]
+                    try:
+                        r = await client.post(
+                            f"{e['url']}/v1/chat/completions",
+                            headers={"Authorization": f"Bearer {e['api_key']}"},
+                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                        )
+                        if r.status_code == 200:
+                            self.seen_urls.add(e["url"])
+                            break
+                    except httpx.HTTPError:
+                        continue
+                else:
+                    self.failed += 1
+                turn += 1
+                await asyncio.sleep(0.02)
+
+
+def database_snapshot(path) -> dict[str, list]:
+    """Every row of every table, read with plain sqlite3."""
+    with sqlite3.connect(path) as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: db.execute(f"SELECT * FROM {t} ORDER BY rowid").fetchall() for t in tables}
+
+
+async def live_instances(cloud) -> list[dict]:
+    async with cloud.client() as api:
+        return (await api.get("/api/v1/instances/")).json()["instances"]
+
+
+async def test_reprice_dry_run_changes_nothing_then_moves_make_before_break(cloud, tmp_path):
+    settings = settings_fast(tmp_path)
+    async with fleet_for(settings) as fleet:
+        old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        endpoints_file = settings.rotation.endpoints_path
+        assert [e["name"] for e in json.loads(endpoints_file.read_text())] == [old.name]
+        assert oct(endpoints_file.stat().st_mode & 0o777) == "0o600"
+
+        nothing = await rotation.reprice(fleet, dry_run=False)
+        assert [m.move for m in nothing] == [False]  # already on the cheapest passing offer
+
+        target = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[-1]
+        async with cloud.client() as api:
+            (await api.put(f"/admin/offers/{target.id}", json={"dph_base": 0.01})).raise_for_status()
+        before_db = database_snapshot(settings.database.file)
+        before_cloud = await live_instances(cloud)
+        planned = await rotation.reprice(fleet, dry_run=True)
+        assert [(m.move, m.best_offer) for m in planned] == [(True, target.id)]
+        assert database_snapshot(settings.database.file) == before_db
+        after_cloud = await live_instances(cloud)
+        assert [(i["id"], i["label"], i["actual_status"]) for i in after_cloud] == [
+            (i["id"], i["label"], i["actual_status"]) for i in before_cloud
+        ]
+
+        client = RoundRobinClient(endpoints_file)
+        task = asyncio.create_task(client.run())
+        moves = await rotation.reprice(fleet, dry_run=False)
+        await asyncio.sleep(0.3)
+        client.stop = True
+        await task
+        assert moves[0].new_host
+        new = fleet.record.hosts(names=[moves[0].new_host])[0]
+        assert new.offer_id == target.id and new.replaces == old.id and new.state == HostState.READY
+        gone = fleet.record.hosts(names=[old.name])[0]
+        assert gone.state == HostState.DESTROYED and gone.ready_at < new.ready_at < gone.destroyed_at
+        assert [e["name"] for e in json.loads(endpoints_file.read_text())] == [new.name]
+        assert client.sent > 0 and client.failed == 0 and client.empty_reads == 0
+        assert len(client.seen_urls) == 2  # it was served by both, one after the other
+        assert fleet.record.blacklist() == []  # a reprice does not blame the old machine
+        await fleet.destroy(None)
+    assert await live_instances(cloud) == []
+
+
+async def test_a_dead_llama_server_is_replaced_within_two_sweeps(cloud, tmp_path):
+    settings = settings_fast(tmp_path)
+    async with fleet_for(settings) as fleet:
+        victim, other = (await fleet.up(UpRequest("tiny", "eu", count=2))).ready
+        client = RoundRobinClient(settings.rotation.endpoints_path)
+        task = asyncio.create_task(client.run())
+        async with asyncssh.connect(
+            victim.ssh_host,
+            port=victim.ssh_port,
+            username="root",
+            client_keys=[str(fleet.ssh_key.private)],
+            known_hosts=None,
+        ) as ssh:
+            await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+        first = {r.name: r for r in await rotation.health_sweep(fleet)}
+        assert not first[victim.name].healthy and first[victim.name].replaced_by is None
+        assert first[other.name].healthy
+        second = {r.name: r for r in await rotation.health_sweep(fleet)}
+        client.stop = True
+        await task
+        new_name = second[victim.name].replaced_by
+        assert new_name
+        assert fleet.record.hosts(names=[victim.name])[0].state == HostState.DESTROYED
+        assert [b.machine_id for b in fleet.record.blacklist()] == [victim.machine_id]
+        ready = {h.name for h in fleet.record.hosts(states=(HostState.READY,))}
+        assert ready == {other.name, new_name}
+        assert client.failed == 0 and client.empty_reads == 0
+        await fleet.destroy(None)
+
+
+async def test_a_vanished_host_is_replaced_at_once(cloud, tmp_path):
+    async with fleet_for(settings_fast(tmp_path)) as fleet:
+        old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        async with cloud.client() as api:
+            await api.delete(f"/api/v0/instances/{old.instance_id}/")
+        [report] = await rotation.health_sweep(fleet)
+        assert report.reason == "the instance is gone" and report.replaced_by
+        assert fleet.record.hosts(names=[old.name])[0].state == HostState.DESTROYED
+        assert [h.name for h in fleet.record.hosts(states=(HostState.READY,))] == [report.replaced_by]
+        await fleet.destroy(None)
+
+
+async def test_a_failing_replacement_leaves_the_old_host_serving(cloud, tmp_path):
+    settings = settings_fast(tmp_path, unhealthy_after_sweeps=1)
+    settings = settings.model_copy(update={"up": settings.up.model_copy(update={"max_attempts": 1})})
+    async with fleet_for(settings) as fleet:
+        old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        cloud.set_faults({"corrupt_files": ["tiny-llama-bytes.gguf"]})
+        new = await rotation.replace(fleet, old, "test", blacklist=False)
+        assert new is None
+        assert fleet.record.hosts(names=[old.name])[0].state == HostState.READY
+        assert [e["name"] for e in json.loads(settings.rotation.endpoints_path.read_text())] == [old.name]
+        async with httpx.AsyncClient(base_url=old.api_url) as client:
+            assert (await client.get("/health")).status_code == 200
+        events = [(e.kind, e.action) for e in fleet.record.events(old.id)]
+        assert ("error", "replace") in events
+        cloud.set_faults({})
+        await fleet.destroy(None)
+
+
+async def test_blacklist_entries_expire(tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        fleet.blacklist_machine(host(id=None), "boot", "test")
+        url = "u"
+        assert fleet.record.blacklisted_machines(url, utcnow()) == {1}
+        assert fleet.record.blacklisted_machines(url, utcnow() + timedelta(hours=100)) == set()
