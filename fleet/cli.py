@@ -599,6 +599,31 @@ def reprice_cmd(
     out.print(table)
 
 
+@app.command("daemon")
+def daemon_cmd(
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", help="Prometheus port on 127.0.0.1 (default: rotation.metrics_port; 0: off)."),
+    ] = None,
+    config_path: ConfigPath = None,
+) -> None:
+    """Run the health sweep, reconcile and reprice on their schedules until SIGTERM."""
+    import logging
+
+    from fleet import daemon
+
+    settings = load_settings(config_path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("apscheduler", "httpx", "asyncssh"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        asyncio.run(daemon.serve(settings, str(settings.source.resolve()), metrics_port))
+    except daemon.DaemonRunning as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"daemon: {e}")
+
+
 @app.command("reconcile")
 def reconcile_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
     """Look up every recorded host by id, finish interrupted work, destroy strays with our label."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from datetime import UTC, datetime
 
+from sqlalchemy import Column, Float, LargeBinary, Table, Unicode
 from sqlmodel import Field, SQLModel
 
 
@@ -158,3 +159,14 @@ class ProbeRun(SQLModel, table=True):
     passed: bool
     diagnosis: str
     metrics: str = "{}"
+
+
+# fleet daemon's APScheduler job store lives in the same database. Its table is APScheduler's own
+# schema, declared here so that the migrations create it like every other table.
+APSCHEDULER_JOBS = Table(
+    "apscheduler_jobs",
+    SQLModel.metadata,
+    Column("id", Unicode(191), primary_key=True),
+    Column("next_run_time", Float(25), index=True),
+    Column("job_state", LargeBinary, nullable=False),
+)

@@ -1,0 +1,208 @@
+"""`fleet daemon`: APScheduler runs the health sweep, reconcile and reprice by calling the same
+functions as the commands; its job store lives in fleet's database; it serves Prometheus metrics.
+
+On SQLite one daemon per database: a second one finds the lock taken and refuses to start. SIGTERM
+(or SIGINT) lets the job in flight finish and exits cleanly. Every action is one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from apscheduler.executors.asyncio import AsyncIOExecutor
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+from sqlmodel import select
+
+from fleet import config, db, rotation
+from fleet.app import open_fleet
+from fleet.lifecycle import accrued_usd
+from fleet.models import LIVE_STATES, Event, HostState, ProbeRun
+
+log = logging.getLogger("fleet.daemon")
+
+
+class DaemonRunning(RuntimeError):
+    """Another daemon holds this database."""
+
+
+class DaemonLock:
+    """An exclusive lock file beside the SQLite database, held for the daemon's life."""
+
+    def __init__(self, database: Path) -> None:
+        self.path = database.with_name(database.name + ".daemon.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonRunning(
+                f"another fleet daemon (pid {holder}) is running on {self.path.with_suffix('')}; "
+                "on SQLite only one daemon may run per database"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+async def run_health(config_path: str) -> None:
+    settings = config.load(config_path)
+    async with open_fleet(settings) as fleet:
+        reports = await rotation.health_sweep(fleet)
+    failing = [r for r in reports if not r.healthy]
+    log.info(
+        "health: %d READY, %d failing%s",
+        len(reports),
+        len(failing),
+        "".join(
+            f"; {r.name}: {r.reason}" + (f" -> replaced by {r.replaced_by}" if r.replaced_by else "") for r in failing
+        ),
+    )
+
+
+async def run_reconcile(config_path: str) -> None:
+    settings = config.load(config_path)
+    async with open_fleet(settings) as fleet:
+        report = await fleet.reconcile()
+    log.info(
+        "reconcile: checked %d, gone %s, failed %s, strays destroyed %s",
+        report["checked"],
+        report["gone"],
+        report["failed"],
+        report["strays_destroyed"],
+    )
+
+
+async def run_reprice(config_path: str) -> None:
+    settings = config.load(config_path)
+    async with open_fleet(settings) as fleet:
+        moves = await rotation.reprice(fleet, dry_run=False)
+    for m in moves:
+        log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
+
+
+class FleetCollector(Collector):
+    """Metrics read from the record at each scrape: hosts by state and model, $/h, cost, probe verdicts,
+    replacements and why."""
+
+    def __init__(self, record: db.Record) -> None:
+        self.record = record
+
+    def collect(self) -> Iterator[Any]:
+        hosts = self.record.hosts()
+        by_state = GaugeMetricFamily("fleet_hosts", "Hosts by state and model", labels=["state", "model"])
+        counts: dict[tuple[str, str], int] = {}
+        for h in hosts:
+            if h.state in LIVE_STATES:
+                counts[(h.state, h.model)] = counts.get((h.state, h.model), 0) + 1
+        for (state, model), n in sorted(counts.items()):
+            by_state.add_metric([state, model], n)
+        yield by_state
+        live = [h for h in hosts if h.state in LIVE_STATES]
+        yield GaugeMetricFamily(
+            "fleet_usd_per_hour", "What the live hosts cost per hour", value=sum(h.dph_total for h in live)
+        )
+        yield GaugeMetricFamily(
+            "fleet_accrued_usd",
+            "Cost of every host so far",
+            value=sum(h.accrued_usd if h.accrued_usd is not None else accrued_usd(h) for h in hosts),
+        )
+        probes = GaugeMetricFamily(
+            "fleet_probe_passed", "Latest verdict of each probe on each READY host", labels=["host", "probe"]
+        )
+        with db.session(self.record.engine) as s:
+            for h in (h for h in hosts if h.state == HostState.READY):
+                latest: dict[str, bool] = {}
+                for run in s.exec(select(ProbeRun).where(ProbeRun.host_id == h.id).order_by(ProbeRun.id)):
+                    latest[run.name] = run.passed
+                for name, passed in latest.items():
+                    probes.add_metric([h.name, name], 1.0 if passed else 0.0)
+            yield probes
+            replacements = CounterMetricFamily("fleet_replacements", "Hosts replaced, by why", labels=["reason"])
+            reasons: dict[str, int] = {}
+            for event in s.exec(select(Event).where(Event.action == "replace", Event.kind == "answer")):
+                reason = json.loads(event.detail).get("reason", "").split(":")[0]
+                reasons[reason] = reasons.get(reason, 0) + 1
+            for reason, n in sorted(reasons.items()):
+                replacements.add_metric([reason], n)
+            yield replacements
+
+
+def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOScheduler:
+    rot = settings.rotation
+    scheduler = AsyncIOScheduler(
+        jobstores={"default": SQLAlchemyJobStore(url=db.sqlite_url(settings.database.file))},
+        executors={"default": AsyncIOExecutor()},
+        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60},
+        timezone="UTC",
+    )
+    jobs = [
+        ("health", "fleet.daemon:run_health", IntervalTrigger(seconds=rot.health_every_s)),
+        ("reconcile", "fleet.daemon:run_reconcile", IntervalTrigger(seconds=rot.reconcile_every_s)),
+        ("reprice", "fleet.daemon:run_reprice", CronTrigger.from_crontab(rot.reprice_cron, timezone="UTC")),
+    ]
+    for job_id, func, trigger in jobs:
+        scheduler.add_job(func, trigger, args=[config_path], id=job_id, name=job_id, replace_existing=True)
+    return scheduler
+
+
+async def serve(settings: config.Settings, config_path: str, metrics_port: int | None = None) -> None:
+    """Run until SIGTERM or SIGINT."""
+    engine = db.open_database(settings.database.file)  # migrations first: the job store's table is one
+    lock = DaemonLock(settings.database.file)
+    lock.acquire()
+    try:
+        port = settings.rotation.metrics_port if metrics_port is None else metrics_port
+        if port:
+            from prometheus_client import start_http_server
+
+            registry = CollectorRegistry()
+            registry.register(FleetCollector(db.Record(engine)))
+            start_http_server(port, addr="127.0.0.1", registry=registry)
+            log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        scheduler = build_scheduler(settings, config_path)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        scheduler.start()
+        log.info(
+            "daemon started (pid %d): health every %gs, reconcile every %gs, reprice at '%s' UTC",
+            os.getpid(),
+            settings.rotation.health_every_s,
+            settings.rotation.reconcile_every_s,
+            settings.rotation.reprice_cron,
+        )
+        await stop.wait()
+        log.info("daemon stopping: letting the job in flight finish")
+        scheduler.shutdown(wait=False)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if pending:
+            await asyncio.wait(pending, timeout=settings.rotation.drain_timeout_s + 60)
+        log.info("daemon stopped")
+    finally:
+        lock.release()
+        engine.dispose()

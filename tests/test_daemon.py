@@ -1,0 +1,113 @@
+"""`fleet daemon` as a process: it replaces a dead host on its own, refuses a second daemon on the
+same database, serves metrics, and stops cleanly on SIGTERM."""
+
+import json
+import os
+import shlex
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import asyncssh
+import httpx
+
+from fleet.localcloud.hosts import free_port
+from tests.fleetkit import write_config
+
+FAST = "\n".join(
+    [
+        "",
+        "[rotation]",
+        "unhealthy_after_sweeps = 2",
+        "health_timeout_s = 5",
+        "drain_timeout_s = 5",
+        "health_every_s = 1",
+        "reconcile_every_s = 3600",
+        'reprice_cron = "0 3 * * *"',
+    ]
+)
+
+
+def fleet(env, *args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ready_hosts(db_path) -> list[tuple[str, str]]:
+    with sqlite3.connect(db_path) as db:
+        return db.execute("SELECT name, state FROM hosts WHERE state = 'ready' ORDER BY id").fetchall()
+
+
+async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
+    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
+    # the repo's [rotation] table is replaced by the fast one for this test
+    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
+    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
+    (tmp_path / "fleet.toml").write_text(text)
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+    up = fleet(env, "up", "--model", "tiny", "--region", "eu")
+    assert up.returncode == 0, up.stderr
+    [host] = json.loads(fleet(env, "status", "--json").stdout)
+    db_path = tmp_path / "fleet.db"
+    with sqlite3.connect(db_path) as db:
+        ssh_host, ssh_port = db.execute(
+            "SELECT ssh_host, ssh_port FROM hosts WHERE name = ?", (host["name"],)
+        ).fetchone()
+
+    port = free_port()
+    log = (tmp_path / "daemon.log").open("w")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "daemon", "--metrics-port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while "daemon started" not in (tmp_path / "daemon.log").read_text():
+            assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.1)
+        second = fleet(env, "daemon", "--metrics-port", "0", timeout=30)
+        assert second.returncode == 1 and "another fleet daemon" in second.stderr
+
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'fleet_hosts{model="tiny",state="ready"} 1.0' in metrics
+        assert "fleet_usd_per_hour" in metrics and 'fleet_probe_passed{host="' in metrics
+
+        async with asyncssh.connect(
+            ssh_host,
+            port=ssh_port,
+            username="root",
+            known_hosts=None,
+            client_keys=[str(tmp_path / "ssh" / "id_ed25519")],
+        ) as ssh:
+            await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+        killed_at = time.monotonic()
+        deadline = killed_at + 40
+        while True:
+            ready = ready_hosts(db_path)
+            if ready and ready[0][0] != host["name"]:
+                break
+            assert time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.2)
+        endpoints = json.loads((tmp_path / "endpoints.json").read_text())
+        assert [e["name"] for e in endpoints] == [ready[0][0]]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'fleet_replacements_total{reason="unhealthy"} 1.0' in metrics
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        log.close()
+    text = (tmp_path / "daemon.log").read_text()
+    assert code == 0, text
+    assert "health: 1 READY, 1 failing" in text and "replaced by" in text and "daemon stopped" in text
+    assert fleet(env, "destroy", "--all", "--yes").returncode == 0
