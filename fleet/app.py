@@ -19,7 +19,7 @@ def ssh_key_path(settings: config.Settings) -> Path:
 @asynccontextmanager
 async def open_fleet(settings: config.Settings, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
     endpoint = resolve(settings)
-    engine = db.open_database(settings.database.file)
+    engine = db.open_database(settings.database.target)
     market = open_market(endpoint)
     try:
         yield Fleet(

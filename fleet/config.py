@@ -48,10 +48,25 @@ class Hub(Strict):
 
 class Database(Strict):
     path: str = "~/.local/state/fleet/fleet.db"
+    # PostgreSQL instead of SQLite, for several daemons: postgresql+psycopg://user@host:port/db.
+    # FLEET_DATABASE_URL overrides it (a password belongs in the environment, not in this file).
+    url: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("postgresql"):
+            raise ValueError("must be a postgresql:// URL (SQLite is set with path)")
+        return v
 
     @property
     def file(self) -> Path:
         return Path(os.path.expanduser(self.path))
+
+    @property
+    def target(self) -> Path | str:
+        """The PostgreSQL URL when one is set, else the SQLite file."""
+        return os.environ.get("FLEET_DATABASE_URL") or self.url or self.file
 
 
 class Filters(Strict):

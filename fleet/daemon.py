@@ -1,7 +1,9 @@
 """`fleet daemon`: APScheduler runs the health sweep, reconcile and reprice by calling the same
 functions as the commands; its job store lives in fleet's database; it serves Prometheus metrics.
 
-On SQLite one daemon per database: a second one finds the lock taken and refuses to start. SIGTERM
+On SQLite one daemon per database: a second one finds the lock taken and refuses to start. On
+PostgreSQL several may run for availability: each job's tick is claimed by one of them (job_runs),
+and a host is acted on under an advisory lock, so no two daemons touch one host at once. SIGTERM
 (or SIGINT) lets the job in flight finish and exits cleanly. Every action is one log line.
 """
 
@@ -13,6 +15,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from fleet import config, db, rotation
@@ -68,9 +73,41 @@ class DaemonLock:
             self._fd = None
 
 
+DAEMON_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class LogReporter:
+    """Each step of a bring-up, replacement or destroy as one line of the daemon's log."""
+
+    def info(self, host: str, message: str) -> None:
+        log.info("%s: %s", host, message)
+
+    def progress(self, host: str, what: str, done: int, total: int) -> None:
+        if done >= total:
+            log.info("%s: pulled %s (%d bytes)", host, what, total)
+
+
+def _tick(period_s: float) -> int:
+    return int(time.time() // period_s)
+
+
+async def _claimed(job: str, period_s: float, settings: config.Settings) -> bool:
+    """Several daemons may share a PostgreSQL database: the first to claim a tick runs the job."""
+    engine = db.make_engine(settings.database.target)
+    try:
+        claimed = db.Record(engine).claim_tick(job, _tick(period_s), DAEMON_ID)
+    finally:
+        engine.dispose()
+    if not claimed:
+        log.info("%s: this tick already runs on another daemon; skipped", job)
+    return claimed
+
+
 async def run_health(config_path: str) -> None:
     settings = config.load(config_path)
-    async with open_fleet(settings) as fleet:
+    if not await _claimed("health", settings.rotation.health_every_s, settings):
+        return
+    async with open_fleet(settings, LogReporter()) as fleet:
         reports = await rotation.health_sweep(fleet)
     failing = [r for r in reports if not r.healthy]
     log.info(
@@ -85,7 +122,9 @@ async def run_health(config_path: str) -> None:
 
 async def run_reconcile(config_path: str) -> None:
     settings = config.load(config_path)
-    async with open_fleet(settings) as fleet:
+    if not await _claimed("reconcile", settings.rotation.reconcile_every_s, settings):
+        return
+    async with open_fleet(settings, LogReporter()) as fleet:
         report = await fleet.reconcile()
     log.info(
         "reconcile: checked %d, gone %s, failed %s, strays destroyed %s",
@@ -98,7 +137,9 @@ async def run_reconcile(config_path: str) -> None:
 
 async def run_reprice(config_path: str) -> None:
     settings = config.load(config_path)
-    async with open_fleet(settings) as fleet:
+    if not await _claimed("reprice", 3600, settings):
+        return
+    async with open_fleet(settings, LogReporter()) as fleet:
         moves = await rotation.reprice(fleet, dry_run=False)
     for m in moves:
         log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
@@ -151,10 +192,10 @@ class FleetCollector(Collector):
             yield replacements
 
 
-def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOScheduler:
+def build_scheduler(settings: config.Settings, config_path: str, engine: Engine) -> AsyncIOScheduler:
     rot = settings.rotation
     scheduler = AsyncIOScheduler(
-        jobstores={"default": SQLAlchemyJobStore(url=db.sqlite_url(settings.database.file))},
+        jobstores={"default": SQLAlchemyJobStore(engine=engine)},
         executors={"default": AsyncIOExecutor()},
         job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60},
         timezone="UTC",
@@ -171,9 +212,10 @@ def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOSched
 
 async def serve(settings: config.Settings, config_path: str, metrics_port: int | None = None) -> None:
     """Run until SIGTERM or SIGINT."""
-    engine = db.open_database(settings.database.file)  # migrations first: the job store's table is one
-    lock = DaemonLock(settings.database.file)
-    lock.acquire()
+    engine = db.open_database(settings.database.target)  # migrations first: the job store's table is one
+    lock = None if db.is_postgres(engine) else DaemonLock(settings.database.file)
+    if lock is not None:
+        lock.acquire()
     try:
         port = settings.rotation.metrics_port if metrics_port is None else metrics_port
         if port:
@@ -183,7 +225,7 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
             registry.register(FleetCollector(db.Record(engine)))
             start_http_server(port, addr="127.0.0.1", registry=registry)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
-        scheduler = build_scheduler(settings, config_path)
+        scheduler = build_scheduler(settings, config_path, engine)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -204,5 +246,6 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
             await asyncio.wait(pending, timeout=settings.rotation.drain_timeout_s + 60)
         log.info("daemon stopped")
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
         engine.dispose()

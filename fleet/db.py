@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from fleet.market import Offer
-from fleet.models import Attempt, Blacklist, Event, Host, OfferSeen, ProbeRun
+from fleet.models import Attempt, Blacklist, Event, Host, JobRun, OfferSeen, ProbeRun
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_MS = 10_000
@@ -31,7 +34,15 @@ def _private_file(path: Path) -> None:
     os.chmod(path, 0o600)
 
 
-def make_engine(path: Path) -> Engine:
+def is_postgres(engine: Engine) -> bool:
+    return engine.url.get_backend_name() == "postgresql"
+
+
+def make_engine(target: Path | str) -> Engine:
+    """An engine for a SQLite file (created private) or a PostgreSQL URL."""
+    if isinstance(target, str):
+        return create_engine(target, pool_pre_ping=True)
+    path = target
     _private_file(path)
     engine = create_engine(sqlite_url(path), connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
 
@@ -62,14 +73,18 @@ def migrate(engine: Engine) -> None:
                 os.chmod(side, 0o600)
 
 
-def open_database(path: Path) -> Engine:
-    engine = make_engine(path)
+def open_database(target: Path | str) -> Engine:
+    engine = make_engine(target)
     migrate(engine)
     return engine
 
 
 def session(engine: Engine) -> Session:
     return Session(engine, expire_on_commit=False)
+
+
+ADVISORY_BASE = 0x666C6565 << 20  # "flee": keeps fleet's advisory keys apart from other users of the database
+_held_hosts: set[int] = set()
 
 
 class Record:
@@ -155,6 +170,39 @@ class Record:
     def probe_runs(self, host_id: int) -> list[ProbeRun]:
         with session(self.engine) as s:
             return list(s.exec(select(ProbeRun).where(ProbeRun.host_id == host_id).order_by(ProbeRun.id)))
+
+    def claim_tick(self, job: str, tick: int, daemon: str) -> bool:
+        """True for the one caller that gets to run `job` at `tick`; the others find it taken."""
+        try:
+            self.add(JobRun(job=job, tick=tick, daemon=daemon))
+        except IntegrityError:
+            return False
+        return True
+
+    @contextmanager
+    def host_lock(self, host_id: int) -> Iterator[bool]:
+        """Hold the right to act on one host; yields False when someone else holds it.
+
+        PostgreSQL: a session advisory lock, so two daemons never act on one host at once. SQLite has
+        one daemon per database, so the lock only guards against this process acting twice.
+        """
+        if host_id in _held_hosts:
+            yield False
+            return
+        _held_hosts.add(host_id)
+        try:
+            if not is_postgres(self.engine):
+                yield True
+                return
+            with self.engine.connect() as conn:
+                got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": ADVISORY_BASE + host_id}).scalar()
+                try:
+                    yield bool(got)
+                finally:
+                    if got:
+                        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": ADVISORY_BASE + host_id})
+        finally:
+            _held_hosts.discard(host_id)
 
     def blacklist(self) -> list[Blacklist]:
         with session(self.engine) as s:

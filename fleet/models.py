@@ -161,6 +161,17 @@ class ProbeRun(SQLModel, table=True):
     metrics: str = "{}"
 
 
+class JobRun(SQLModel, table=True):
+    """A scheduled job's tick, claimed by the one daemon that runs it (several may share PostgreSQL)."""
+
+    __tablename__ = "job_runs"
+
+    job: str = Field(primary_key=True)
+    tick: int = Field(primary_key=True)
+    daemon: str
+    started_at: datetime = Field(default_factory=utcnow)
+
+
 # fleet daemon's APScheduler job store lives in the same database. Its table is APScheduler's own
 # schema, declared here so that the migrations create it like every other table.
 APSCHEDULER_JOBS = Table(

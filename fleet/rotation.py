@@ -102,7 +102,18 @@ async def health_sweep(fleet: Fleet) -> list[HealthReport]:
 async def replace(
     fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None = None
 ) -> Host | None:
-    """Make before break: the new host READY and published first; then the old one drains and goes."""
+    """Make before break: the new host READY and published first; then the old one drains and goes.
+    Returns None, touching nothing, when another daemon is acting on this host."""
+    assert old.id is not None
+    with fleet.record.host_lock(old.id) as mine:
+        current = fleet.record.host(old.id)
+        if not mine or current is None or current.state != HostState.READY:
+            fleet.reporter.info(old.name, "another daemon is acting on this host, or it left READY; skipped")
+            return None
+        return await _replace(fleet, old, reason, blacklist=blacklist, max_price=max_price)
+
+
+async def _replace(fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None) -> Host | None:
     fleet.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
     fleet.reporter.info(old.name, f"replacing ({reason})")
     result = await fleet.up(UpRequest(old.model, old.region, 1, max_price=max_price))

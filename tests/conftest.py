@@ -119,3 +119,60 @@ def local_cloud_env(cloud: CloudHandle, monkeypatch: pytest.MonkeyPatch) -> Iter
     cloud.set_faults({})
     yield
     cloud.set_faults({})
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A private PostgreSQL server (Debian's package) on a free loopback port, for this test session.
+
+    Its data directory is a temporary one owned by the postgres user; it is stopped at the end by its
+    own data directory (pg_ctl stop signals the PID in postmaster.pid).
+    """
+    import glob
+    import tempfile
+
+    from fleet.localcloud.hosts import free_port
+
+    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[4]))
+    if not bins:
+        pytest.fail("PostgreSQL is not installed: scripts/setup installs Debian's postgresql")
+    pg_bin = bins[-1]
+    root = tempfile.mkdtemp(prefix="fleet-pg-")
+    shutil.chown(root, "postgres", "postgres")
+    data, port = f"{root}/data", free_port()
+
+    def as_postgres(*argv: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True, timeout=120)
+
+    as_postgres(f"{pg_bin}/initdb", "-D", data, "--auth=trust", "-U", "postgres", "-E", "UTF8")
+    as_postgres(
+        f"{pg_bin}/pg_ctl",
+        "-D",
+        data,
+        "-l",
+        f"{root}/log",
+        "-w",
+        "start",
+        "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+    )
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
+    finally:
+        as_postgres(f"{pg_bin}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> str:
+    """A fresh database on the session's PostgreSQL server."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    name = f"fleet_{uuid.uuid4().hex[:10]}"
+    engine = create_engine(f"{postgres_server}/postgres", isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    engine.dispose()
+    return f"{postgres_server}/{name}"
