@@ -41,6 +41,11 @@ def ready_hosts(db_path) -> list[tuple[str, str]]:
         return db.execute("SELECT name, state FROM hosts WHERE state = 'ready' ORDER BY id").fetchall()
 
 
+def ready_and_old(db_path, old_name) -> list[tuple[str, str]]:
+    with sqlite3.connect(db_path) as db:
+        return db.execute("SELECT name, state FROM hosts WHERE name = ?", (old_name,)).fetchall()
+
+
 async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
     text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
     # the repo's [rotation] table is replaced by the fast one for this test
@@ -97,6 +102,9 @@ async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
             ready = ready_hosts(db_path)
             if ready and ready[0][0] != host["name"]:
                 break
+            assert time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.2)
+        while dict(ready_and_old(db_path, host["name"]))[host["name"]] != "destroyed":
             assert time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
             time.sleep(0.2)
         endpoints = json.loads((tmp_path / "endpoints.json").read_text())

@@ -9,6 +9,7 @@ the share (rate now / rate at the start) and temperature limits, never by one ab
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,11 +39,16 @@ class CardPoint:
 def judge_thermal(
     rates: list[RatePoint], cards: list[CardPoint], min_share: float, max_gpu_c: float, max_memory_c: float
 ) -> ProbeResult:
-    """Verdict by decode share (each later one-caller rate / the first) and card temperatures."""
+    """Verdict by decode share (the one-caller rate late in the run / early in it) and card temperatures."""
     if len(rates) < 2 or rates[0].tokens_per_s <= 0:
         return ProbeResult("thermal", False, "too few one-caller measurements to judge", {"rates": len(rates)})
-    first = rates[0].tokens_per_s
+    # Judge the last third of the run against the first third, by medians: one noisy measurement
+    # (another process on the host, a network hiccup) moves neither.
+    third = max(len(rates) // 3, 1)
+    first = statistics.median(r.tokens_per_s for r in rates[:third])
+    last = statistics.median(r.tokens_per_s for r in rates[-third:])
     shares = [r.tokens_per_s / first for r in rates]
+    shares[-1] = last / first
     gpu_c = [c.sample.gpu_c for c in cards if c.sample.gpu_c is not None]
     mem_c = [c.sample.memory_c for c in cards if c.sample.memory_c is not None]
     metrics: dict[str, Any] = {
