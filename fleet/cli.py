@@ -544,13 +544,20 @@ def bench_cmd(
 
 
 @app.command("health")
-def health_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
+def health_cmd(
+    thermal: Annotated[
+        bool,
+        typer.Option("--thermal", help="Re-run the thermal probe instead; replace and blacklist a host that fails it."),
+    ] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
     """Check every READY host (marketplace, /health, a short completion); replace the unhealthy."""
     settings = load_settings(config_path)
 
     async def go() -> Any:
         async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
-            return await rotation.health_sweep(fleet)
+            return await (rotation.thermal_sweep(fleet) if thermal else rotation.health_sweep(fleet))
 
     reports = run_async(go)
     if json_output:

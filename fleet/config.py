@@ -176,6 +176,7 @@ class Rotation(Strict):
     endpoints_file: str = "~/.local/state/fleet/endpoints.json"
     health_every_s: Annotated[float, Field(gt=0)] = 60
     reconcile_every_s: Annotated[float, Field(gt=0)] = 600
+    thermal_every_s: Annotated[float, Field(ge=0)] = 21600  # thermal re-probes of READY hosts (0: never)
     reprice_cron: str = "0 3 * * *"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
 

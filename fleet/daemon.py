@@ -135,6 +135,21 @@ async def run_reconcile(config_path: str) -> None:
     )
 
 
+async def run_thermal(config_path: str) -> None:
+    settings = config.load(config_path)
+    if not await _claimed("thermal", settings.rotation.thermal_every_s, settings):
+        return
+    async with open_fleet(settings, LogReporter()) as fleet:
+        reports = await rotation.thermal_sweep(fleet)
+    for r in reports:
+        log.info(
+            "thermal: %s %s%s",
+            r.name,
+            "ok" if r.healthy else f"FAIL: {r.reason}",
+            f" -> replaced by {r.replaced_by}" if r.replaced_by else "",
+        )
+
+
 async def run_reprice(config_path: str) -> None:
     settings = config.load(config_path)
     if not await _claimed("reprice", 3600, settings):
@@ -205,6 +220,8 @@ def build_scheduler(settings: config.Settings, config_path: str, engine: Engine)
         ("reconcile", "fleet.daemon:run_reconcile", IntervalTrigger(seconds=rot.reconcile_every_s)),
         ("reprice", "fleet.daemon:run_reprice", CronTrigger.from_crontab(rot.reprice_cron, timezone="UTC")),
     ]
+    if rot.thermal_every_s:
+        jobs.append(("thermal", "fleet.daemon:run_thermal", IntervalTrigger(seconds=rot.thermal_every_s)))
     for job_id, func, trigger in jobs:
         scheduler.add_job(func, trigger, args=[config_path], id=job_id, name=job_id, replace_existing=True)
     return scheduler

@@ -99,6 +99,19 @@ async def health_sweep(fleet: Fleet) -> list[HealthReport]:
     return reports
 
 
+async def thermal_sweep(fleet: Fleet) -> list[HealthReport]:
+    """Re-run the thermal probe on every READY host; replace a host that fails it, blacklisting its machine."""
+    reports = []
+    for host in fleet.record.hosts(states=(HostState.READY,)):
+        [result] = await fleet.probe(host.name, only=["thermal"])
+        report = HealthReport(host.name, result.passed, result.diagnosis, 0 if result.passed else 1)
+        if not result.passed:
+            new = await replace(fleet, host, f"thermal: {result.diagnosis}", blacklist=True)
+            report.replaced_by = new.name if new else None
+        reports.append(report)
+    return reports
+
+
 async def replace(
     fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None = None
 ) -> Host | None:

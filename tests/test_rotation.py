@@ -229,3 +229,18 @@ async def test_blacklist_entries_expire(tmp_path):
         url = "u"
         assert fleet.record.blacklisted_machines(url, utcnow()) == {1}
         assert fleet.record.blacklisted_machines(url, utcnow() + timedelta(hours=100)) == set()
+
+
+async def test_a_host_failing_its_thermal_reprobe_is_replaced_and_blacklisted(cloud, tmp_path):
+    async with fleet_for(settings_fast(tmp_path)) as fleet:
+        machine = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
+        cloud.set_faults({"decode_sag": {str(machine): {"start_after_s": 0.0, "ramp_s": 4.0, "max_stop_share": 0.8}}})
+        hot = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        assert hot.machine_id == machine
+        [report] = await rotation.thermal_sweep(fleet)
+        assert not report.healthy and "decode share fell" in report.reason and report.replaced_by
+        assert fleet.record.hosts(names=[hot.name])[0].state == HostState.DESTROYED
+        assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
+        new = fleet.record.hosts(names=[report.replaced_by])[0]
+        assert new.state == HostState.READY and new.machine_id != machine
+        await fleet.destroy(None)
