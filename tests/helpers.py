@@ -92,3 +92,15 @@ async def wait_health(client: httpx.AsyncClient, timeout_s: float = 10.0) -> Non
             pass
         await asyncio.sleep(0.05)
     raise AssertionError(f"{client.base_url} never became healthy")
+
+
+async def kill_llama_server(ssh_host: str, ssh_port: int, key: Path) -> None:
+    """Stop a fleet host's llama-server over SSH, with the host's own script (a dead server, for rotation)."""
+    import shlex
+
+    import asyncssh
+
+    async with asyncssh.connect(
+        ssh_host, port=ssh_port, username="root", known_hosts=None, client_keys=[str(key)]
+    ) as ssh:
+        await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)

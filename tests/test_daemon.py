@@ -3,18 +3,17 @@ same database, serves metrics, and stops cleanly on SIGTERM."""
 
 import json
 import os
-import shlex
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
 
-import asyncssh
 import httpx
 
 from fleet.localcloud.hosts import free_port
 from tests.fleetkit import write_config
+from tests.helpers import kill_llama_server
 
 FAST = "\n".join(
     [
@@ -88,14 +87,7 @@ async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
         assert 'fleet_hosts{model="tiny",state="ready"} 1.0' in metrics
         assert "fleet_usd_per_hour" in metrics and 'fleet_probe_passed{host="' in metrics
 
-        async with asyncssh.connect(
-            ssh_host,
-            port=ssh_port,
-            username="root",
-            known_hosts=None,
-            client_keys=[str(tmp_path / "ssh" / "id_ed25519")],
-        ) as ssh:
-            await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+        await kill_llama_server(ssh_host, ssh_port, tmp_path / "ssh" / "id_ed25519")
         killed_at = time.monotonic()
         deadline = killed_at + 40
         while True:

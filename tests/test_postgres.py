@@ -4,13 +4,11 @@ sharing it: each tick of a job runs once, and a dead host is replaced once."""
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
 import time
 
-import asyncssh
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, text
@@ -20,6 +18,7 @@ from fleet import db
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState
 from tests.fleetkit import fleet_for, settings_for, write_config
+from tests.helpers import kill_llama_server
 
 
 def test_migrations_build_the_models_schema_on_postgres(postgres_url):
@@ -88,14 +87,7 @@ async def test_two_daemons_share_postgres_without_doubling_work(cloud, postgres_
             assert time.monotonic() < deadline
             time.sleep(0.1)
         time.sleep(3)
-        async with asyncssh.connect(
-            ssh_host,
-            port=ssh_port,
-            username="root",
-            known_hosts=None,
-            client_keys=[str(tmp_path / "ssh" / "id_ed25519")],
-        ) as ssh:
-            await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+        await kill_llama_server(ssh_host, ssh_port, tmp_path / "ssh" / "id_ed25519")
         deadline = time.monotonic() + 60
         while True:
             with engine.connect() as conn:

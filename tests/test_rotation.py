@@ -3,11 +3,9 @@ file, and a client that follows the endpoints through all of it."""
 
 import asyncio
 import json
-import shlex
 import sqlite3
 from datetime import timedelta
 
-import asyncssh
 import httpx
 import pytest
 
@@ -15,6 +13,7 @@ from fleet import rotation
 from fleet.lifecycle import UpRequest
 from fleet.models import Host, HostState, utcnow
 from tests.fleetkit import fleet_for, settings_for
+from tests.helpers import kill_llama_server
 
 
 @pytest.fixture(autouse=True)
@@ -169,14 +168,7 @@ async def test_a_dead_llama_server_is_replaced_within_two_sweeps(cloud, tmp_path
         victim, other = (await fleet.up(UpRequest("tiny", "eu", count=2))).ready
         client = RoundRobinClient(settings.rotation.endpoints_path)
         task = asyncio.create_task(client.run())
-        async with asyncssh.connect(
-            victim.ssh_host,
-            port=victim.ssh_port,
-            username="root",
-            client_keys=[str(fleet.ssh_key.private)],
-            known_hosts=None,
-        ) as ssh:
-            await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+        await kill_llama_server(victim.ssh_host, victim.ssh_port, fleet.ssh_key.private)
         first = {r.name: r for r in await rotation.health_sweep(fleet)}
         assert not first[victim.name].healthy and first[victim.name].replaced_by is None
         assert first[other.name].healthy
