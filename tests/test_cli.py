@@ -152,3 +152,27 @@ def test_up_that_cannot_succeed_exits_1(env, cloud):
     assert result.returncode == 1
     assert "not up:" in result.stderr
     assert cloud.state()["instances"] == {}
+
+
+def test_probe_json_and_its_bad_input(env, cloud):
+    assert fleet(env, "up", "--model", "tiny", "--region", "eu").returncode == 0
+    [host] = json.loads(fleet(env, "status", "--json").stdout)
+    try:
+        result = fleet(env, "probe", host["name"], "--only", "smoke", "--only", "keepalive", "--json")
+        assert result.returncode == 0, result.stderr
+        probes = json.loads(result.stdout)
+        assert [p["name"] for p in probes] == ["smoke", "keepalive"]
+        assert all({"name", "passed", "diagnosis", "metrics"} <= set(p) for p in probes)
+        assert probes[0]["metrics"]["first_content_ms"] > 0
+        assert probes[1]["metrics"]["connection_reused"] is False
+        for args, message in [
+            (["probe", host["name"], "--only", "bogus"], "unknown probe bogus"),
+            (["probe", "no-such-host"], "no such host: no-such-host"),
+            (["probe", host["name"], "--only", "smoke", "--plot", "x.png"], "--plot draws the thermal probe"),
+            (["bench", "no-such-host"], "no such host: no-such-host"),
+        ]:
+            bad = fleet(env, *args)
+            assert bad.returncode == 2, (args, bad.stderr)
+            assert message in one_line_error(bad)
+    finally:
+        assert fleet(env, "destroy", "--all", "--yes").returncode == 0
