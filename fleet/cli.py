@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -28,6 +29,8 @@ from fleet.market import MarketError
 from fleet.offers import effective_price_per_hour
 from fleet.plan import GIB
 from fleet.probes.runner import PROBES
+from fleet.probes.stream import StreamError
+from fleet.remote import RemoteError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
@@ -83,6 +86,12 @@ def run_async(make: Callable[[], Awaitable[T]]) -> T:
         fail(f"local cloud: {e}")
     except MarketError as e:
         fail(f"marketplace: {e}")
+    except GgufError as e:
+        fail(f"plan: {e}")
+    except (RemoteError, StreamError, httpx.HTTPError, OSError) as e:
+        fail(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        fail("interrupted (what was being created has been destroyed)", 130)
     raise AssertionError("unreachable")
 
 
@@ -206,10 +215,7 @@ def plan_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
-            try:
-                return await fleet.plan(model, ctx, slots, swa_full)
-            except GgufError as e:
-                fail(f"plan: {e}")
+            return await fleet.plan(model, ctx, slots, swa_full)
 
     plan = run_async(go)
     data = plan.as_dict()

@@ -307,3 +307,21 @@ async def test_a_reset_header_range_is_tried_again(cloud, local_cloud_env, tmp_p
             assert (await api.get("/admin/faults")).json()["pull_reset"]["count"] == 0
     finally:
         cloud.set_faults({})
+
+
+def test_a_model_missing_from_the_hub_is_a_one_line_failure(cloud, tmp_path):
+    ghost = (
+        "\n[models.ghost]\ngpu_ram_gb = 0\ndisk_gb = 10\nslots = 1\nctx_per_slot = 2048\n"
+        'files = [{ key = "main", repo = "nobody/nothing", file = "missing.gguf" }]\n'
+    )
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(write_config(tmp_path, ghost)),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+    for args in (["plan", "--model", "ghost"], ["offers", "--model", "ghost", "--region", "eu"]):
+        result = run_fleet(env, *args)
+        assert result.returncode == 1
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: plan: ") and "HTTP 404" in lines[0]
+    assert cloud.state()["instances"] == {}
