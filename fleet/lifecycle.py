@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +23,12 @@ from typing import Any, Protocol
 import asyncssh
 import httpx
 
-from fleet import ggufhead
+from fleet import ggufhead, hostops
 from fleet import offers as offer_rules
 from fleet.config import Profile, Settings
 from fleet.db import Record
 from fleet.ggufhead import GgufHeader
+from fleet.hostops import PhaseFailed
 from fleet.market import FAILED, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
@@ -38,19 +38,10 @@ from fleet.probes.bench import LevelResult, run_bench
 from fleet.probes.call import load_call
 from fleet.probes.runner import PROBES, run_probes
 from fleet.probes.stream import StreamError
-from fleet.remote import RemoteError, SshKey, connect, run, run_streaming
+from fleet.remote import RemoteError, SshKey, connect
 
 LABEL_PREFIX = "fleet:"
 SERVICE_PORT = 70000  # vast.ai maps ports above 70000 identically: the host binds $VAST_TCP_PORT_70000
-RUN_DIR = "fleet-run"
-MODELS_DIR = "models"
-
-
-class PhaseFailed(Exception):
-    def __init__(self, phase: str, reason: str) -> None:
-        super().__init__(f"{phase}: {reason}")
-        self.phase = phase
-        self.reason = reason
 
 
 class CapReached(Exception):
@@ -148,12 +139,6 @@ def accrued_usd(host: Host, now: datetime | None = None) -> float:
     if end.tzinfo is None:
         end = end.replace(tzinfo=UTC)
     return host.dph_total * max((end - start).total_seconds(), 0.0) / 3600.0
-
-
-def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
-    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), port, alias."""
-    args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
-    return ["-m", files["main"], *args, "--port", str(port), "-a", profile.name]
 
 
 class Fleet:
@@ -431,11 +416,21 @@ class Fleet:
                 state=HostState.PULLING,
             )
             self.reporter.info(host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); pulling weights")
-            files = await self._pull(host, profile, conn, timeouts.pull)
+            async with self.waits.on("pull"):
+                files = await hostops.pull_files(
+                    conn,
+                    profile,
+                    self.hub_url,
+                    os.environ.get(self.settings.hub.token_env, ""),
+                    self.settings.up.pull_connections,
+                    timeouts.pull,
+                    lambda name, done, total: self.reporter.progress(host.name, name, done, total),
+                )
             self.record.update(host, pulled_at=utcnow(), state=HostState.STARTING)
             api_key = secrets.token_urlsafe(32)
             api_url = f"http://{service[0]}:{service[1]}"
-            await self._start_server(host, profile, conn, service[1], files, api_key, api_url, timeouts.load)
+            async with self.waits.on("server"):
+                await hostops.start_server(conn, profile, service[1], files, api_key, api_url, timeouts.load)
             self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
             names = list(profile.probes.on_up)
             self.reporter.info(host.name, f"llama-server up at {api_url}; probing: {', '.join(names)}")
@@ -540,100 +535,6 @@ class Fleet:
             async with self.waits.on("market"):
                 await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.01)))
             interval = min(interval * 1.5, 5.0)
-
-    async def _pull(
-        self, host: Host, profile: Profile, conn: asyncssh.SSHClientConnection, timeout_s: float
-    ) -> dict[str, str]:
-        hf_token = os.environ.get(self.settings.hub.token_env, "")
-        paths: dict[str, str] = {}
-        try:
-            async with asyncio.timeout(timeout_s), self.waits.on("pull"):
-                for f in profile.files:
-                    url = f"{self.hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
-                    sha256, size = await self._linked_etag(url, hf_token)
-                    dest = f"{MODELS_DIR}/{f.file}"
-                    shown = {"t": 0.0}
-
-                    def progress(
-                        line: str, name: str = f.file, total: int = size, shown: dict[str, float] = shown
-                    ) -> None:
-                        if line.startswith("progress ") and time.monotonic() - shown["t"] > 1.0:
-                            shown["t"] = time.monotonic()
-                            self.reporter.progress(host.name, name, int(line.split()[1]), total)
-
-                    # The token travels on stdin into the script's environment, never on a command line.
-                    argv = [
-                        "sh",
-                        "-c",
-                        'IFS= read -r HF_TOKEN; export HF_TOKEN; exec fleet-pull "$@"',
-                        "fleet-pull",
-                        url,
-                        sha256,
-                        dest,
-                        str(self.settings.up.pull_connections),
-                    ]
-                    last = await run_streaming(conn, argv, progress, stdin=hf_token + "\n")
-                    if last != f"ok {sha256} {size}":
-                        raise PhaseFailed("pull", f"{f.file}: unexpected result {last!r}")
-                    self.reporter.progress(host.name, f.file, size, size)
-                    paths[f.key] = dest
-        except TimeoutError:
-            raise PhaseFailed("pull", f"not done after {timeout_s:g}s (timeouts.pull)") from None
-        except RemoteError as e:
-            raise PhaseFailed("pull", str(e)) from None
-        return paths
-
-    async def _linked_etag(self, url: str, hf_token: str) -> tuple[str, int]:
-        """The sha256 and size the hub states for a file, from its first (redirect) answer."""
-        headers = {"Authorization": f"Bearer {hf_token}"} if hf_token else {}
-        async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.head(url, headers=headers, follow_redirects=False)
-        etag = (r.headers.get("X-Linked-Etag") or "").strip('"')
-        size = r.headers.get("X-Linked-Size")
-        if r.status_code >= 400 or not re.fullmatch(r"[0-9a-f]{64}", etag) or not size:
-            raise PhaseFailed("pull", f"the hub gave no sha256 for {url} (HTTP {r.status_code})")
-        return etag, int(size)
-
-    async def _start_server(
-        self,
-        host: Host,
-        profile: Profile,
-        conn: asyncssh.SSHClientConnection,
-        port: int,
-        files: dict[str, str],
-        api_key: str,
-        api_url: str,
-        timeout_s: float,
-    ) -> None:
-        argv = ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)]
-        try:
-            await run(conn, argv, stdin=api_key + "\n", timeout_s=60)
-        except RemoteError as e:
-            raise PhaseFailed("start", str(e)) from None
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=5) as client, self.waits.on("server"):
-            polls = 0
-            while time.monotonic() < deadline:
-                try:
-                    if (await client.get(f"{api_url}/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                polls += 1
-                if polls % 20 == 0 and not await self._server_alive(conn):
-                    raise PhaseFailed("start", f"llama-server exited: {await self._server_log_tail(conn)}")
-                await asyncio.sleep(0.1)
-        raise PhaseFailed(
-            "start", f"no /health 200 after {timeout_s:g}s (timeouts.load): {await self._server_log_tail(conn)}"
-        )
-
-    async def _server_alive(self, conn: asyncssh.SSHClientConnection) -> bool:
-        result = await conn.run(f'kill -0 "$(cat {RUN_DIR}/llama-server.pid)"', check=False)
-        return result.exit_status == 0
-
-    async def _server_log_tail(self, conn: asyncssh.SSHClientConnection) -> str:
-        result = await conn.run(f"tail -n 3 {RUN_DIR}/llama-server.log", check=False)
-        return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
 
     def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
         attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)

@@ -8,7 +8,7 @@ from alembic.migration import MigrationContext
 from sqlmodel import SQLModel
 
 from fleet import config, db
-from fleet.lifecycle import server_argv
+from fleet.hostops import server_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState
-from tests.fleetkit import fleet_for, settings_for
+from tests.fleetkit import fleet_for, settings_for, with_variant
 from tests.helpers import host_processes
 
 
@@ -201,3 +201,16 @@ async def test_concurrent_bring_ups_share_the_event_loop(cloud, tmp_path):
         hosts = a.ready + b.ready
         assert len(hosts) == 2 and hosts[0].machine_id != hosts[1].machine_id
         await fleet.destroy(None)
+
+
+async def test_a_server_that_exits_at_start_fails_the_host_in_start(cloud, tmp_path):
+    settings = with_variant(
+        settings_for(tmp_path, up={"max_attempts": 1}), "tiny-broken", extra_args=["--no-such-flag"]
+    )
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny-broken", "eu"))
+        assert result.ready == []
+        [attempt] = result.attempts
+        assert attempt.phase == "start" and "llama-server exited" in attempt.reason
+        assert "no-such-flag" in attempt.reason  # the server's own words, from its log
+    assert await live_instances(cloud) == []
