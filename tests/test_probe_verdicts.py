@@ -140,3 +140,19 @@ def test_bench_pools_waves_and_counts_throughput_from_server_tokens():
 def test_levels_and_percentiles():
     assert levels_up_to(1) == [1] and levels_up_to(3) == [1, 2, 3] and levels_up_to(12) == [1, 2, 4, 8, 12]
     assert percentile([], 0.5) is None and percentile([5.0], 0.95) == 5.0
+
+
+def test_fleets_own_query_output_from_a_real_h200_parses_and_judges():
+    raw = (FIXTURE.parent.parent / "nvidia-smi-h200-fleet-query" / "query.csv").read_text()
+    samples = parse_query_csv(raw)
+    assert len(samples) == 25 and all(s.name == "NVIDIA H200" and s.fan_pct is None for s in samples)
+    loaded = [s for s in samples if s.sw_power_cap]
+    assert len(loaded) >= 10 and all(s.throttle_mask == 0x4 for s in loaded)
+    assert max(s.power_w for s in loaded) > 600 and max(s.gpu_c for s in samples) == 63.0
+    assert all(s.memory_c is not None and s.sm_mhz is not None for s in samples)
+    cards = [CardPoint(i, s) for i, s in enumerate(samples)]
+    steady = [RatePoint(0, 100.0), RatePoint(12, 99.0), RatePoint(24, 98.0)]
+    verdict = judge_thermal(steady, cards, 0.8, 87, 95)
+    assert verdict.passed and verdict.metrics["gpu_c_max"] == 63.0
+    assert verdict.metrics["throttle_flags"] == ["sw_power_cap"]
+    assert not judge_thermal(steady, cards, 0.8, 60, 95).passed  # the same card, a stricter limit
