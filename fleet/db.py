@@ -44,7 +44,13 @@ def make_engine(target: Path | str) -> Engine:
         return create_engine(target, pool_pre_ping=True)
     path = target
     _private_file(path)
-    engine = create_engine(sqlite_url(path), connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+    # The sqlite3 driver's own transaction handling leaves DDL outside transactions, so a migration that
+    # failed half-way would stay half-applied. Let SQLAlchemy say BEGIN itself instead.
+    engine = create_engine(sqlite_url(path), connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "isolation_level": None})
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn) -> None:  # type: ignore[no-untyped-def]
+        conn.exec_driver_sql("BEGIN")
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
@@ -57,13 +63,27 @@ def make_engine(target: Path | str) -> Engine:
     return engine
 
 
-def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest migration."""
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Bring the schema to the newest migration (or to `revision`)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as connection:
-        cfg.attributes["connection"] = connection
-        command.upgrade(cfg, "head")
+    with engine.connect() as connection:
+        sqlite = connection.dialect.name == "sqlite"
+        raw = connection.connection.driver_connection
+        if sqlite:
+            # SQLite alters a table by copying it; its foreign keys must not fire while the old copy is
+            # dropped. The pragma only takes effect outside a transaction: say it on the driver's
+            # connection, before SQLAlchemy begins one.
+            raw.execute("PRAGMA foreign_keys=OFF")
+        with connection.begin():
+            cfg.attributes["connection"] = connection
+            command.upgrade(cfg, revision)
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise RuntimeError(f"migration left rows whose references are broken: {broken[:5]}")
+        if sqlite:
+            raw.execute("PRAGMA foreign_keys=ON")
     # WAL and SHM side files must be as private as the database itself.
     url = engine.url
     if url.drivername.startswith("sqlite") and url.database:

@@ -57,3 +57,41 @@ def test_migrations_build_exactly_the_models_schema(tmp_path):
     assert mode == "wal"
     assert oct((tmp_path / "fleet.db").stat().st_mode & 0o777) == "0o600"
     db.migrate(engine)  # again: a no-op
+
+
+def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
+    """A record made by the first schema survives every later migration (SQLite copies tables to alter
+    them; foreign keys must not fire while it does)."""
+    from sqlalchemy import text
+
+    engine = db.make_engine(tmp_path / "old.db")
+    db.migrate(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO hosts (id, name, run_id, model, region, state, provider_url, label, offer_id, machine_id,"
+                " gpu_name, num_gpus, gpu_ram_mb, geolocation, dph_total, inet_up_usd_per_gb, inet_down_usd_per_gb,"
+                " effective_usd_per_hour, slots, created_at) VALUES (1, 'h1', 'r', 'tiny', 'eu', 'ready', 'local',"
+                " 'fleet:h1', 7, 8, 'RTX 3090', 1, 24576, 'Sweden, SE', 0.2, 0, 0, 0.2, 1, '2026-11-29 10:00:00')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO attempts (run_id, host_id, model, offer_id, machine_id, dph_total,"
+                " inet_usd_per_gb, started_at) VALUES ('r', 1, 'tiny', 7, 8, 0.2, 0, '2026-11-29 10:00:00')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO events (at, host_id, kind, action, detail) VALUES"
+                " ('2026-11-29 10:00:00', 1, 'intent', 'create', '{}')"
+            )
+        )
+    db.migrate(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
+        assert conn.execute(text("SELECT name, health_failures FROM hosts")).all() == [("h1", 0)]
+        assert conn.execute(text("SELECT count(*) FROM attempts WHERE host_id = 1")).scalar() == 1
+        assert conn.execute(text("SELECT count(*) FROM events WHERE host_id = 1")).scalar() == 1
+        assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
+    assert db.Record(engine).hosts()[0].name == "h1"
