@@ -28,8 +28,9 @@ class SshKey:
 
 def ensure_key(path: Path) -> SshKey:
     """fleet's own SSH key (ed25519, private file 0600), made on first use."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         key = asyncssh.generate_private_key("ssh-ed25519", comment="fleet")
         key.write_private_key(str(path))
         path.chmod(0o600)

@@ -65,6 +65,7 @@ async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):
         mode = stat.S_IMODE(os.stat(settings.database.file).st_mode)
         assert mode == 0o600
         assert stat.S_IMODE(os.stat(settings.database.file.parent / "ssh" / "id_ed25519").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(settings.database.file.parent / "ssh").st_mode) == 0o700
 
         done = await fleet.destroy([host.name])
         assert done[0].state == HostState.DESTROYED and done[0].accrued_usd > 0
