@@ -105,13 +105,6 @@ class VastMarket:
             raise MarketError("search answered without an offers list")
         return [Offer.from_raw(row) for row in offers]
 
-    async def search_raw(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        answer = await self._request("POST", "/api/v0/bundles/", json=body)
-        offers = answer.get("offers") if isinstance(answer, dict) else None
-        if not isinstance(offers, list):
-            raise MarketError("search answered without an offers list")
-        return offers
-
     async def create(self, offer_id: int, spec: InstanceSpec) -> int:
         env = dict(spec.env)
         env.update({f"-p {p}:{p}": "1" for p in spec.ports})
