@@ -161,7 +161,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response({"status": "ok"})
 
     async def admin_hub_stats(request: web.Request) -> web.Response:
-        return json_response({"bytes_served": hub.bytes_served})
+        return json_response({"bytes_served": hub.bytes_served, "token_requests": hub.token_requests})
 
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)

@@ -48,6 +48,7 @@ class Hub:
         self._faults = faults  # () -> Faults, so admin changes apply at once
         self._by_repo: dict[tuple[str, str], HubFile] = {}
         self.bytes_served: dict[str, int] = {}  # repo/file -> body bytes written, for tests and demos
+        self.token_requests = 0  # requests that carried a bearer token (a Hugging Face token, on the real hub)
 
     def publish_tiny_models(self) -> None:
         directory = self.root / TINY_REPO
@@ -76,6 +77,8 @@ class Hub:
     async def resolve(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        if request.headers.get("Authorization", "").startswith("Bearer "):
+            self.token_requests += 1
         repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
         entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
