@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from fleet.market import Offer
-from fleet.models import Attempt, Blacklist, Event, Host, JobRun, OfferSeen, ProbeRun
+from fleet.models import Attempt, Blacklist, Event, Host, JobRun, OfferSeen, ProbeRun, utcnow
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_MS = 10_000
@@ -179,6 +179,16 @@ class Record:
             if run_id is not None:
                 q = q.where(Attempt.run_id == run_id)
             return list(s.exec(q.order_by(Attempt.id)))
+
+    def close_attempt(self, host_id: int, outcome: str, phase: str | None, reason: str | None) -> None:
+        """End the host's (latest) attempt with its outcome."""
+        with session(self.engine) as s:
+            q = select(Attempt).where(Attempt.host_id == host_id).order_by(col(Attempt.id).desc()).limit(1)
+            attempt = s.exec(q).one()
+            attempt.ended_at = utcnow()
+            attempt.outcome, attempt.phase, attempt.reason = outcome, phase, reason
+            s.add(attempt)
+            s.commit()
 
     def events(self, host_id: int | None = None) -> list[Event]:
         with session(self.engine) as s:

@@ -537,14 +537,8 @@ class Fleet:
             interval = min(interval * 1.5, 5.0)
 
     def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
-        attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)
-        self.record.update(
-            attempt,
-            ended_at=utcnow(),
-            outcome="ready" if state == HostState.READY else "failed",
-            phase=phase,
-            reason=reason,
-        )
+        assert host.id is not None
+        self.record.close_attempt(host.id, "ready" if state == HostState.READY else "failed", phase, reason)
         if state != HostState.READY:
             changes: dict[str, Any] = {"state": state, "failed_phase": phase, "failure_reason": reason}
             if state == HostState.DESTROYED:
@@ -557,8 +551,8 @@ class Fleet:
         self.record.update(host, state=HostState.FAILED, failed_phase=phase, failure_reason=reason)
         if blacklist:
             self.blacklist_machine(host, phase, reason)
-        attempt = next(a for a in reversed(self.record.attempts(host.run_id)) if a.host_id == host.id)
-        self.record.update(attempt, ended_at=utcnow(), outcome="failed", phase=phase, reason=reason)
+        assert host.id is not None
+        self.record.close_attempt(host.id, "failed", phase, reason)
         if host.instance_id is not None:
             await self._destroy_instance(host, final_state=HostState.FAILED)
         else:
