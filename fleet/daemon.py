@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from sqlmodel import select
 
 from fleet import config, db, rotation
 from fleet.app import open_fleet
-from fleet.lifecycle import accrued_usd
+from fleet.lifecycle import Fleet, accrued_usd
 from fleet.models import LIVE_STATES, Event, HostState, ProbeRun
 
 log = logging.getLogger("fleet.daemon")
@@ -91,73 +91,65 @@ def _tick(period_s: float) -> int:
     return int(time.time() // period_s)
 
 
-async def _claimed(job: str, period_s: float, settings: config.Settings) -> bool:
-    """Several daemons may share a PostgreSQL database: the first to claim a tick runs the job."""
-    engine = db.make_engine(settings.database.target)
-    try:
-        claimed = db.Record(engine).claim_tick(job, _tick(period_s), DAEMON_ID)
-    finally:
-        engine.dispose()
-    if not claimed:
-        log.info("%s: this tick already runs on another daemon; skipped", job)
-    return claimed
+async def _run(
+    job: str, config_path: str, period_s: Callable[[config.Rotation], float], work: Callable[[Fleet], Awaitable[None]]
+) -> None:
+    """One job's tick. Several daemons may share a PostgreSQL database: the first to claim the tick
+    runs it; the others skip it."""
+    settings = config.load(config_path)
+    async with open_fleet(settings, LogReporter()) as fleet:
+        if not fleet.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID):
+            log.info("%s: this tick already runs on another daemon; skipped", job)
+            return
+        await work(fleet)
+
+
+def _replaced(report: rotation.HealthReport) -> str:
+    return f" -> replaced by {report.replaced_by}" if report.replaced_by else ""
 
 
 async def run_health(config_path: str) -> None:
-    settings = config.load(config_path)
-    if not await _claimed("health", settings.rotation.health_every_s, settings):
-        return
-    async with open_fleet(settings, LogReporter()) as fleet:
+    async def work(fleet: Fleet) -> None:
         reports = await rotation.health_sweep(fleet)
-    failing = [r for r in reports if not r.healthy]
-    log.info(
-        "health: %d READY, %d failing%s",
-        len(reports),
-        len(failing),
-        "".join(
-            f"; {r.name}: {r.reason}" + (f" -> replaced by {r.replaced_by}" if r.replaced_by else "") for r in failing
-        ),
-    )
+        failing = [r for r in reports if not r.healthy]
+        log.info(
+            "health: %d READY, %d failing%s",
+            len(reports),
+            len(failing),
+            "".join(f"; {r.name}: {r.reason}{_replaced(r)}" for r in failing),
+        )
+
+    await _run("health", config_path, lambda r: r.health_every_s, work)
 
 
 async def run_reconcile(config_path: str) -> None:
-    settings = config.load(config_path)
-    if not await _claimed("reconcile", settings.rotation.reconcile_every_s, settings):
-        return
-    async with open_fleet(settings, LogReporter()) as fleet:
+    async def work(fleet: Fleet) -> None:
         report = await fleet.reconcile()
-    log.info(
-        "reconcile: checked %d, gone %s, failed %s, strays destroyed %s",
-        report["checked"],
-        report["gone"],
-        report["failed"],
-        report["strays_destroyed"],
-    )
+        log.info(
+            "reconcile: checked %d, gone %s, failed %s, strays destroyed %s",
+            report["checked"],
+            report["gone"],
+            report["failed"],
+            report["strays_destroyed"],
+        )
+
+    await _run("reconcile", config_path, lambda r: r.reconcile_every_s, work)
 
 
 async def run_thermal(config_path: str) -> None:
-    settings = config.load(config_path)
-    if not await _claimed("thermal", settings.rotation.thermal_every_s, settings):
-        return
-    async with open_fleet(settings, LogReporter()) as fleet:
-        reports = await rotation.thermal_sweep(fleet)
-    for r in reports:
-        log.info(
-            "thermal: %s %s%s",
-            r.name,
-            "ok" if r.healthy else f"FAIL: {r.reason}",
-            f" -> replaced by {r.replaced_by}" if r.replaced_by else "",
-        )
+    async def work(fleet: Fleet) -> None:
+        for r in await rotation.thermal_sweep(fleet):
+            log.info("thermal: %s %s%s", r.name, "ok" if r.healthy else f"FAIL: {r.reason}", _replaced(r))
+
+    await _run("thermal", config_path, lambda r: r.thermal_every_s, work)
 
 
 async def run_reprice(config_path: str) -> None:
-    settings = config.load(config_path)
-    if not await _claimed("reprice", 3600, settings):
-        return
-    async with open_fleet(settings, LogReporter()) as fleet:
-        moves = await rotation.reprice(fleet, dry_run=False)
-    for m in moves:
-        log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
+    async def work(fleet: Fleet) -> None:
+        for m in await rotation.reprice(fleet, dry_run=False):
+            log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
+
+    await _run("reprice", config_path, lambda r: 3600, work)  # a cron job: one run per hour at most
 
 
 class FleetCollector(Collector):

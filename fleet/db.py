@@ -173,13 +173,6 @@ class Record:
             q = select(Blacklist.machine_id).where(Blacklist.provider_url == provider_url, Blacklist.expires_at > now)
             return set(s.exec(q))
 
-    def attempts(self, run_id: str | None = None) -> list[Attempt]:
-        with session(self.engine) as s:
-            q = select(Attempt)
-            if run_id is not None:
-                q = q.where(Attempt.run_id == run_id)
-            return list(s.exec(q.order_by(Attempt.id)))
-
     def close_attempt(self, host_id: int, outcome: str, phase: str | None, reason: str | None) -> None:
         """End the host's (latest) attempt with its outcome."""
         with session(self.engine) as s:
