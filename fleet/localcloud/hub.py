@@ -143,6 +143,7 @@ class Hub:
             reset.count -= 1
             reset_after = reset.after_bytes
         sent = 0
+        served, key = self.bytes_served, f"{entry.repo}/{entry.path.name}"
         began = time.monotonic()
         with entry.path.open("rb") as f:
             f.seek(start)
@@ -154,8 +155,7 @@ class Hub:
                     block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1 :]
                 if reset_after is not None and sent + len(block) > reset_after:
                     await response.write(block[: reset_after - sent])
-                    key = f"{entry.repo}/{entry.path.name}"
-                    self.bytes_served[key] = self.bytes_served.get(key, 0) + reset_after - sent
+                    served[key] = served.get(key, 0) + reset_after - sent
                     if request.transport is not None:
                         request.transport.abort()
                     return response
@@ -164,7 +164,6 @@ class Hub:
                     await asyncio.sleep(ahead)
                 await response.write(block)
                 sent += len(block)
-                key = f"{entry.repo}/{entry.path.name}"
-                self.bytes_served[key] = self.bytes_served.get(key, 0) + len(block)
+                served[key] = served.get(key, 0) + len(block)
         await response.write_eof()
         return response
