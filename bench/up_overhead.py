@@ -6,6 +6,8 @@ Runs side by side in one process against a fresh local cloud in a temporary dire
    server (timed where fleet awaits them) and the rest, which is fleet's own code;
 2. `up` with --count 4: wall time against --count 1.
 Targets: fleet's own share under 10% of the wall time; --count 4 within 1.5x of --count 1.
+The cloud is the kind one (no rate limits or read lag): this measures fleet's own code; what vast.ai's
+create interval and read lag cost is bench/api_calls.py's subject.
 Usage: .venv/bin/python bench/up_overhead.py [--rounds N]
 """
 
@@ -44,7 +46,7 @@ async def main(rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         os.environ["FLEET_LOCALCLOUD_DIR"] = str(tmp / "cloud")
-        control.start(tmp / "cloud")
+        control.start(tmp / "cloud", kind=True)
         try:
             singles, quads, shares = [], [], []
             breakdown: dict[str, list[float]] = {}

@@ -21,15 +21,17 @@ async def open_fleet(settings: config.Settings, reporter: Reporter | None = None
     endpoint = resolve(settings)
     engine = db.open_database(settings.database.target)
     market = open_market(endpoint)
+    fleet = Fleet(
+        settings,
+        db.Record(engine),
+        market,
+        ensure_key(ssh_key_path(settings)),
+        settings.hub_url(endpoint.local_cloud_url),
+        reporter,
+    )
     try:
-        yield Fleet(
-            settings,
-            db.Record(engine),
-            market,
-            ensure_key(ssh_key_path(settings)),
-            settings.hub_url(endpoint.local_cloud_url),
-            reporter,
-        )
+        yield fleet
     finally:
+        await fleet.watch.close()
         await market.close()
         engine.dispose()

@@ -28,6 +28,9 @@ class Provider(Strict):
     api_key_env: str = "VAST_API_KEY"
     api_key_file: str = "~/.config/vastai/vast_api_key"
     image: str
+    # Instances in flight are read in one listing, at first every second, then less often as they age,
+    # down to once per this many seconds (vast.ai's docs: boot takes minutes; poll every 10 s).
+    poll_max_interval_s: Annotated[float, Field(ge=1, le=120)] = 10
 
     @field_validator("url")
     @classmethod
@@ -80,6 +83,10 @@ class Filters(Strict):
 
 class Timeouts(Strict):
     create_to_running: Annotated[float, Field(gt=0)] = 600
+    # vast.ai's reads lag its create: how long a new instance may stay unlisted before it counts as gone.
+    instance_visible: Annotated[float, Field(gt=0)] = 60
+    # How long an instance may read `offline`/`unknown` (a late heartbeat) before it counts as failed.
+    heartbeat_gap: Annotated[float, Field(gt=0)] = 120
     ssh: Annotated[float, Field(gt=0)] = 120
     pull: Annotated[float, Field(gt=0)] = 3600
     load: Annotated[float, Field(gt=0)] = 600

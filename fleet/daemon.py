@@ -249,10 +249,11 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
         )
         await stop.wait()
         log.info("daemon stopping: letting the job in flight finish")
-        scheduler.shutdown(wait=False)
+        scheduler.pause()  # no new run; APScheduler's shutdown would cancel the runs in flight, so wait first
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if pending:
             await asyncio.wait(pending, timeout=settings.rotation.drain_timeout_s + 60)
+        scheduler.shutdown(wait=False)
         log.info("daemon stopped")
     finally:
         if lock is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
+from sqlalchemy import update as sql_update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
@@ -121,16 +122,15 @@ class Record:
             return row
 
     def update(self, row: SQLModel, **changes: object) -> SQLModel:
+        """Write only `changes` to the row's record (UPDATE ... SET those columns WHERE id = ?), and mirror
+        them on `row`. The rest of `row` may be minutes old: it is never written back over newer values."""
+        table = type(row)
         with session(self.engine) as s:
-            merged = s.merge(row)
-            for key, value in changes.items():
-                setattr(merged, key, value)
-            s.add(merged)
+            s.execute(sql_update(table).where(table.id == row.id).values(**changes))  # type: ignore[attr-defined]
             s.commit()
-            s.refresh(merged)
         for key, value in changes.items():
             setattr(row, key, value)
-        return merged
+        return row
 
     def add_offer_seen(self, provider_url: str, offer: Offer) -> None:
         self.add(

@@ -23,10 +23,14 @@ MODELS_DIR = "models"
 
 
 class PhaseFailed(Exception):
-    def __init__(self, phase: str, reason: str) -> None:
+    """A phase of a bring-up failed: destroy the instance and try the next offer. `blacklist`: the machine
+    is to blame (not the marketplace's answer), so it is not tried again for a while."""
+
+    def __init__(self, phase: str, reason: str, *, blacklist: bool = True) -> None:
         super().__init__(f"{phase}: {reason}")
         self.phase = phase
         self.reason = reason
+        self.blacklist = blacklist
 
 
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:

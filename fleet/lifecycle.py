@@ -29,8 +29,9 @@ from fleet.config import Profile, Settings
 from fleet.db import Record
 from fleet.ggufhead import GgufHeader
 from fleet.hostops import PhaseFailed
-from fleet.market import FAILED, Instance, InstanceSpec, MarketError, Offer, OfferGone
+from fleet.market import FAILED, HEARTBEAT_LOST, CreateFailed, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
+from fleet.market.watch import InstanceWatch
 from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
 from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import ProbeResult
@@ -41,7 +42,9 @@ from fleet.probes.stream import StreamError
 from fleet.remote import RemoteError, SshKey, connect
 
 LABEL_PREFIX = "fleet:"
-SERVICE_PORT = 70000  # vast.ai maps ports above 70000 identically: the host binds $VAST_TCP_PORT_70000
+# llama-server's port inside the host. An ordinary port: vast.ai maps it to a random external port on the
+# public IP and lists that in the instance's `ports` (an identity port above 70000 is never listed there).
+SERVICE_PORT = 18080
 
 
 class CapReached(Exception):
@@ -160,6 +163,7 @@ class Fleet:
         self.hub_url = hub_url.rstrip("/")
         self.reporter = reporter or QuietReporter()
         self.waits = Waits()
+        self.watch = InstanceWatch(market, settings.provider.poll_max_interval_s)
         self._create_lock = asyncio.Lock()
         self._headers: dict[str, GgufHeader] = {}
 
@@ -303,7 +307,7 @@ class Fleet:
                 self._end_attempt(host, "create", report.reason, state=HostState.DESTROYED)
             except PhaseFailed as e:
                 report.outcome, report.phase, report.reason = "failed", e.phase, e.reason
-                await self._fail(host, e.phase, e.reason, blacklist=True)
+                await self._fail(host, e.phase, e.reason, blacklist=e.blacklist)
             except (MarketError, RemoteError, OSError, asyncssh.Error, httpx.HTTPError) as e:
                 report.outcome, report.phase, report.reason = "failed", host.state, f"{type(e).__name__}: {e}"
                 await self._fail(host, host.state, report.reason, blacklist=False)
@@ -385,6 +389,17 @@ class Fleet:
         except OfferGone:
             self.record.event("answer", "create", "offer gone", host.id)
             raise
+        except CreateFailed as e:
+            # vast.ai may have made the contract despite the error: destroy what it names, or what carries
+            # our label once its reads catch up. The machine did nothing wrong: next offer, no blacklist.
+            detail = json.dumps({"error": str(e), "new_contract": e.new_contract})
+            self.record.event("answer", "create", detail, host.id)
+            if e.new_contract is not None:
+                self.record.update(host, instance_id=e.new_contract)
+                await self._destroy_instance(host, final_state=HostState.FAILED)
+            else:
+                await self._destroy_strays_of(host)
+            raise PhaseFailed("create", str(e), blacklist=False) from None
         except MarketError as e:
             # The create may have been processed: look for our label, so nothing is left billing.
             self.record.event("answer", "create", f"error: {e}", host.id)
@@ -395,12 +410,12 @@ class Fleet:
         self.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
 
         timeouts = self.settings.timeouts
-        instance = await self._wait_running(host, timeouts.create_to_running)
+        instance = await self._wait_running(host)
         self.record.update(host, running_at=utcnow(), state=HostState.CONNECTING)
         endpoint = instance.ssh_endpoint()
         service = instance.service_endpoint(SERVICE_PORT)
         if endpoint is None or service is None:
-            raise PhaseFailed("boot", f"running without an SSH endpoint or port {SERVICE_PORT} mapping")
+            raise PhaseFailed("boot", f"running without an SSH endpoint or a mapping of port {SERVICE_PORT}")
         try:
             async with self.waits.on("ssh"):
                 conn, host_key = await connect(endpoint[0], endpoint[1], self.ssh_key, None, timeouts.ssh)
@@ -430,7 +445,7 @@ class Fleet:
             api_key = secrets.token_urlsafe(32)
             api_url = f"http://{service[0]}:{service[1]}"
             async with self.waits.on("server"):
-                await hostops.start_server(conn, profile, service[1], files, api_key, api_url, timeouts.load)
+                await hostops.start_server(conn, profile, SERVICE_PORT, files, api_key, api_url, timeouts.load)
             self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
             names = list(profile.probes.on_up)
             self.reporter.info(host.name, f"llama-server up at {api_url}; probing: {', '.join(names)}")
@@ -513,28 +528,77 @@ class Fleet:
             raise KeyError(f"host {name} is {host.state}, not serving")
         return host
 
-    async def _wait_running(self, host: Host, timeout_s: float) -> Instance:
+    async def _wait_running(self, host: Host) -> Instance:
+        """Wait, on the shared listing, until the instance runs with its SSH and service ports mapped.
+
+        Tolerated: not listed yet (vast.ai's reads lag create, up to timeouts.instance_visible) and a late
+        heartbeat (`offline`/`unknown`, up to timeouts.heartbeat_gap). Fails fast on a container that
+        cannot start, on a failed state, and on an instance that was listed and then is not."""
         assert host.instance_id is not None
-        deadline = time.monotonic() + timeout_s
-        interval = 0.2
-        status: str | None = None
-        while True:
-            async with self.waits.on("market"):
-                instance = await self.market.get(host.instance_id)
-            if instance is None:
-                raise PhaseFailed("boot", "the instance disappeared while booting")
-            status = instance.status
-            if status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
-                return instance
-            if status in FAILED:
-                raise PhaseFailed("boot", f"instance is {status}: {instance.status_msg or 'no message'}")
-            if time.monotonic() >= deadline:
-                raise PhaseFailed(
-                    "boot", f"still {status or 'provisioning'} after {timeout_s:g}s (timeouts.create_to_running)"
-                )
-            async with self.waits.on("market"):
-                await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.01)))
-            interval = min(interval * 1.5, 5.0)
+        timeouts = self.settings.timeouts
+        started = time.monotonic()
+        deadline = started + timeouts.create_to_running
+        seen = False
+        lost_since: float | None = None
+        generation = 0
+        async with self.watch.watching(host.instance_id):
+            while True:
+                async with self.waits.on("market"):
+                    snapshot = await self.watch.next(generation)
+                generation = snapshot.generation
+                now = time.monotonic()
+                instance = snapshot.instances.get(host.instance_id)
+                if instance is None:
+                    if seen:
+                        raise PhaseFailed("boot", "the instance disappeared while booting")
+                    if now - started > timeouts.instance_visible:
+                        raise PhaseFailed(
+                            "boot",
+                            f"not listed {timeouts.instance_visible:g}s after create (timeouts.instance_visible)",
+                        )
+                    continue
+                if not seen:
+                    seen = True
+                    self._take_instance_price(host, instance)
+                if instance.status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
+                    return instance
+                if error := instance.boot_error():
+                    raise PhaseFailed("boot", f"the container cannot start: {error}")
+                if instance.status in FAILED:
+                    raise PhaseFailed("boot", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
+                if instance.status in HEARTBEAT_LOST:
+                    lost_since = lost_since or now
+                    if now - lost_since > timeouts.heartbeat_gap:
+                        raise PhaseFailed(
+                            "boot", f"{instance.status} for {timeouts.heartbeat_gap:g}s (timeouts.heartbeat_gap)"
+                        )
+                else:
+                    lost_since = None
+                if now >= deadline:
+                    raise PhaseFailed(
+                        "boot",
+                        f"still {instance.status or 'provisioning'} after {timeouts.create_to_running:g}s "
+                        "(timeouts.create_to_running)",
+                    )
+
+    def _take_instance_price(self, host: Host, instance: Instance) -> None:
+        """Record what the instance really costs: vast.ai's price can differ from the offer's searched one."""
+        if instance.dph_total <= 0 or abs(instance.dph_total - host.dph_total) < 1e-9:
+            return
+        self.record.event(
+            "info",
+            "price",
+            json.dumps({"offer_dph_total": host.dph_total, "instance_dph_total": instance.dph_total}),
+            host.id,
+        )
+        self.reporter.info(
+            host.name, f"the instance costs ${instance.dph_total:.4f}/h (the offer said ${host.dph_total:.4f}/h)"
+        )
+        self.record.update(
+            host,
+            dph_total=instance.dph_total,
+            effective_usd_per_hour=host.effective_usd_per_hour - host.dph_total + instance.dph_total,
+        )
 
     def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
         assert host.id is not None
@@ -553,6 +617,8 @@ class Fleet:
             self.blacklist_machine(host, phase, reason)
         assert host.id is not None
         self.record.close_attempt(host.id, "failed", phase, reason)
+        if host.destroyed_at is not None:
+            return  # already destroyed (and confirmed gone) on the way here
         if host.instance_id is not None:
             await self._destroy_instance(host, final_state=HostState.FAILED)
         else:
@@ -583,12 +649,18 @@ class Fleet:
         os.replace(tmp, path)
 
     async def _destroy_strays_of(self, host: Host) -> None:
-        async with self.waits.on("market"):
-            strays = await self.market.list(host.label)
-        for instance in strays:
-            if instance.label == host.label:
+        """After a create whose answer we did not get: find the instance by our label and destroy it. vast.ai's
+        reads lag its create, so an empty answer is asked again until timeouts.instance_visible has passed."""
+        deadline = time.monotonic() + self.settings.timeouts.instance_visible
+        while True:
+            async with self.waits.on("market"):
+                strays = [i for i in await self.market.list(host.label) if i.label == host.label]
+            for instance in strays:
                 self.record.update(host, instance_id=instance.id)
                 await self._destroy_instance(host, final_state=HostState.FAILED)
+            if strays or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(2.0)
 
     # ---- destroy ----------------------------------------------------------------------------
     async def _destroy_instance(
@@ -652,18 +724,24 @@ class Fleet:
         ]
 
     async def reconcile(self) -> dict[str, Any]:
-        """Look up every recorded host by id; finish interrupted work; destroy strays with our label."""
+        """Look every recorded host up (one listing, then show for those it lacks); finish interrupted work;
+        destroy strays with our label."""
         report: dict[str, Any] = {"checked": 0, "gone": [], "failed": [], "strays_destroyed": [], "adopted": []}
         live = self.record.hosts(states=LIVE_STATES)
         async with self.waits.on("market"):
             listing = await self.market.list(LABEL_PREFIX)
+        by_id = {i.id: i for i in listing}
         by_label = {i.label: i for i in listing}
-        found_by_id = 0
+        unlisted_but_there = 0
         for host in live:
             report["checked"] += 1
+            # vast.ai's reads lag create: an instance never yet seen running may simply not be listed yet.
+            young = host.running_at is None and _age_s(host) < self.settings.timeouts.instance_visible
             if host.instance_id is None:
                 instance = by_label.get(host.label)
                 if instance is None:
+                    if young:
+                        continue
                     self.record.update(
                         host,
                         state=HostState.DESTROYED,
@@ -675,8 +753,15 @@ class Fleet:
                     continue
                 self.record.update(host, instance_id=instance.id)
                 report["adopted"].append(host.name)
-            async with self.waits.on("market"):
-                instance = await self.market.get(host.instance_id)
+            assert host.instance_id is not None
+            instance = by_id.get(host.instance_id)
+            if instance is None:
+                if young:
+                    continue
+                async with self.waits.on("market"):
+                    instance = await self.market.get(host.instance_id)
+                if instance is not None:
+                    unlisted_but_there += 1
             if instance is None:
                 now = utcnow()
                 self.record.update(
@@ -689,7 +774,6 @@ class Fleet:
                 self.record.event("info", "reconcile", "instance gone", host.id)
                 report["gone"].append(host.name)
                 continue
-            found_by_id += 1
             interrupted = host.state not in (HostState.READY,)
             if instance.status in FAILED or interrupted:
                 reason = (
@@ -699,8 +783,10 @@ class Fleet:
                 )
                 await self._fail(host, host.state, reason, blacklist=instance.status in FAILED)
                 report["failed"].append(host.name)
-        if found_by_id and not listing:
-            raise MarketError("the instance listing is empty while recorded instances exist; not sweeping strays")
+        if unlisted_but_there:
+            raise MarketError(
+                f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
+            )
         known = {h.instance_id for h in self.record.hosts() if h.instance_id is not None}
         for instance in listing:
             if instance.id not in known:
@@ -712,6 +798,11 @@ class Fleet:
                 report["strays_destroyed"].append(instance.id)
         self.publish_endpoints()
         return report
+
+
+def _age_s(host: Host) -> float:
+    created = host.created_at if host.created_at.tzinfo else host.created_at.replace(tzinfo=UTC)
+    return (utcnow() - created).total_seconds()
 
 
 def host_summary(h: Host) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from fleet.lifecycle import Fleet, UpRequest
-from fleet.market import FAILED
+from fleet.market import FAILED, HEARTBEAT_LOST, Instance
 from fleet.models import Host, HostState, utcnow
 from fleet.offers import effective_price_per_hour
 
@@ -48,10 +48,10 @@ class Move:
     new_host: str | None = None
 
 
-async def check_host(fleet: Fleet, host: Host) -> tuple[bool, bool, str]:
-    """(healthy, gone, reason): the marketplace's view by id, /health, and a short completion."""
-    assert host.instance_id is not None
-    instance = await fleet.market.get(host.instance_id)
+async def check_host(fleet: Fleet, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
+    """(healthy, gone, reason): the marketplace's view (`instance`, None when it no longer shows it),
+    /health, and a short completion. A late heartbeat (`offline`/`unknown`) is vast.ai's view of its own
+    agent, not of our server: the server decides."""
     if instance is None:
         return False, True, "the instance is gone"
     if instance.status in FAILED:
@@ -71,13 +71,26 @@ async def check_host(fleet: Fleet, host: Host) -> tuple[bool, bool, str]:
                 return False, False, f"completion answered {reply.status_code}"
     except httpx.HTTPError as e:
         return False, False, f"{type(e).__name__}: {e}"
+    if instance.status in HEARTBEAT_LOST:
+        return True, False, f"ok (the marketplace reads it {instance.status})"
     return True, False, "ok"
+
+
+async def marketplace_view(fleet: Fleet, hosts: list[Host]) -> dict[int, Instance | None]:
+    """Each host's instance from one listing; those it lacks are asked by id (gone or a listing gap)."""
+    ids = [h.instance_id for h in hosts if h.instance_id is not None]
+    listed: dict[int, Instance | None] = dict(await fleet.market.instances(ids)) if ids else {}
+    for instance_id in ids:
+        if instance_id not in listed:
+            listed[instance_id] = await fleet.market.get(instance_id)
+    return listed
 
 
 async def health_sweep(fleet: Fleet) -> list[HealthReport]:
     """Check every READY host; replace those that failed K sweeps in a row or whose instance is gone."""
     hosts = fleet.record.hosts(states=(HostState.READY,))
-    checks = await asyncio.gather(*(check_host(fleet, h) for h in hosts))
+    view = await marketplace_view(fleet, hosts)
+    checks = await asyncio.gather(*(check_host(fleet, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
     for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
         failures = 0 if healthy else host.health_failures + 1

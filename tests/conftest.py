@@ -53,9 +53,18 @@ class CloudHandle:
         return [i["token"] for i in self.state()["instances"].values()]
 
 
-def _start(state_dir: Path, **kw: object) -> CloudHandle:
-    info = control.start(state_dir, provision_delay_s=0.1, loading_delay_s=0.2, **kw)
+def _start(state_dir: Path, kind: bool = False, **kw: object) -> CloudHandle:
+    info = control.start(state_dir, provision_delay_s=0.3, loading_delay_s=0.2, kind=kind, **kw)
     return CloudHandle(info)
+
+
+def _kind(request: pytest.FixtureRequest) -> bool:
+    """A test module gets the kind cloud (no rate limits, read lag, late keys or heartbeat gaps) only by
+    saying why in a module-level `KIND_CLOUD = "..."`; everything else meets vast.ai's hardships."""
+    reason = getattr(request.module, "KIND_CLOUD", None)
+    if reason is not None:
+        assert isinstance(reason, str) and len(reason) > 20, "KIND_CLOUD must say why the module needs it"
+    return reason is not None
 
 
 def _stop_and_check(handle: CloudHandle) -> None:
@@ -67,9 +76,11 @@ def _stop_and_check(handle: CloudHandle) -> None:
 
 
 @pytest.fixture(scope="module")
-def cloud(tmp_path_factory: pytest.TempPathFactory, llama_server: Path) -> Iterator[CloudHandle]:
+def cloud(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, llama_server: Path
+) -> Iterator[CloudHandle]:
     """A local cloud for one test module; stopped (and checked for leftovers) afterwards."""
-    handle = _start(tmp_path_factory.mktemp("localcloud"))
+    handle = _start(tmp_path_factory.mktemp("localcloud"), _kind(request))
     try:
         yield handle
     finally:
@@ -77,8 +88,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory, llama_server: Path) -> Itera
 
 
 @pytest.fixture
-def fresh_cloud(tmp_path: Path, llama_server: Path) -> Iterator[CloudHandle]:
-    handle = _start(tmp_path / "localcloud")
+def fresh_cloud(request: pytest.FixtureRequest, tmp_path: Path, llama_server: Path) -> Iterator[CloudHandle]:
+    handle = _start(tmp_path / "localcloud", _kind(request))
     try:
         yield handle
     finally:
@@ -131,7 +142,7 @@ def postgres_server() -> Iterator[str]:
     import glob
     import tempfile
 
-    from fleet.localcloud.hosts import free_port
+    from fleet.localcloud.network import free_port
 
     bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[4]))
     if not bins:

@@ -15,23 +15,49 @@ from fleet.localcloud import procs
 TINY_REPO = "fleet-local/tiny-models"
 
 
+SERVICE_PORT = 18080
+
+
+async def polite(api: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
+    """A request that waits out vast.ai's rate limits (429: Retry-After, else a pause) like a good client."""
+    for _ in range(30):
+        r = await api.request(method, path, **kw)
+        if r.status_code != 429:
+            return r
+        after = r.headers.get("Retry-After")
+        await asyncio.sleep(float(after) if after else 1.5)
+    raise AssertionError(f"{method} {path}: still rate limited")
+
+
 async def rent(api: httpx.AsyncClient, offer_id: int, **body: Any) -> int:
     payload = {
         "client_id": "me",
         "image": "fleet/llama-server:test",
         "disk": 20,
-        "env": {"-p 70000:70000": "1"},
+        "env": {f"-p {SERVICE_PORT}:{SERVICE_PORT}": "1"},
         "label": "fleet:test",
+        "runtype": "ssh_direc ssh_proxy",
         **body,
     }
-    r = await api.put(f"/api/v0/asks/{offer_id}/", json=payload)
+    r = await polite(api, "PUT", f"/api/v0/asks/{offer_id}/", json=payload)
     assert r.status_code == 200, r.text
     return r.json()["new_contract"]
 
 
+def mapped(row: dict[str, Any], container_port: int) -> tuple[str, int]:
+    """Where the outside reaches a container port: the public IP and the external port `ports` lists."""
+    return row["public_ipaddr"], int(row["ports"][f"{container_port}/tcp"][0]["HostPort"])
+
+
+async def listed_instances(api: httpx.AsyncClient) -> list[dict[str, Any]]:
+    r = await polite(api, "GET", "/api/v1/instances/")
+    r.raise_for_status()
+    return r.json()["instances"]
+
+
 async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, Any]:
     body = {"rentable": {"eq": True}, "rented": {"eq": False}, "order": [["dph_total", "asc"]], **filters}
-    r = await api.post("/api/v0/bundles/", json=body)
+    r = await polite(api, "POST", "/api/v0/bundles/", json=body)
     r.raise_for_status()
     offers = r.json()["offers"]
     assert offers, "no offer left to rent"
@@ -45,9 +71,8 @@ async def wait_status(
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
-        r = await api.get(f"/api/v0/instances/{instance_id}/")
-        r.raise_for_status()
-        last = r.json()["instances"]
+        r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
+        last = None if r.status_code == 404 else r.raise_for_status().json()["instances"]
         if wanted is None and last is None:
             return None
         if last is not None and last["actual_status"] == wanted:
@@ -57,8 +82,18 @@ async def wait_status(
 
 
 async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:
-    r = await api.delete(f"/api/v0/instances/{instance_id}/")
+    r = await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/")
     assert r.status_code in (200, 404), r.text
+
+
+async def shown(api: httpx.AsyncClient, instance_id: int) -> dict[str, Any] | None:
+    """Show one instance; None when vast.ai says it is not there (null or 404, it answers either)."""
+    r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
+    if r.status_code == 404:
+        assert r.json()["error"] == "no_such_instance", r.text
+        return None
+    r.raise_for_status()
+    return r.json()["instances"]
 
 
 def processes_mentioning(path: Path) -> list[int]:
@@ -104,3 +139,11 @@ async def kill_llama_server(ssh_host: str, ssh_port: int, key: Path) -> None:
         ssh_host, port=ssh_port, username="root", known_hosts=None, client_keys=[str(key)]
     ) as ssh:
         await ssh.run(shlex.join(["fleet-stop-server", "fleet-run"]), check=True)
+
+
+def sag_soon(cloud: Any, instance_id: int, delay_s: float = 1.5, ramp_s: float = 2.0, share: float = 0.8) -> None:
+    """Make a running host's decode sag (as a hot card) from `delay_s` from now, whatever its age."""
+    row = cloud.state()["instances"][str(instance_id)]
+    started = time.time() - row["running_at"] + delay_s
+    machine = str(row["offer"]["machine_id"])
+    cloud.set_faults({"decode_sag": {machine: {"start_after_s": started, "ramp_s": ramp_s, "max_stop_share": share}}})

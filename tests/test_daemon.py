@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from fleet.localcloud.hosts import free_port
+from fleet.localcloud.network import free_port
 from tests.fleetkit import write_config
 from tests.helpers import kill_llama_server
 

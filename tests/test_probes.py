@@ -11,6 +11,7 @@ import pytest
 
 from fleet.lifecycle import UpRequest
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
+from tests.helpers import sag_soon
 
 SWA_TRAP = "tiny-gemma2-swa16.gguf"
 REWRITING = "tiny-llama-rewriting-template.gguf"
@@ -81,10 +82,8 @@ async def test_cache_probe_catches_a_sliding_window_model_without_checkpoints(tm
 async def test_thermal_fails_on_a_host_whose_decode_sags(cloud, tmp_path):
     settings = settings_for(tmp_path)
     async with fleet_for(settings) as fleet:
-        machine = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
-        cloud.set_faults({"decode_sag": {str(machine): {"start_after_s": 0.0, "ramp_s": 4.0, "max_stop_share": 0.8}}})
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
-        assert host.machine_id == machine
+        sag_soon(cloud, host.instance_id)
         try:
             [thermal] = await fleet.probe(host.name, only=["thermal"])
         finally:

@@ -13,7 +13,7 @@ from fleet import rotation
 from fleet.lifecycle import UpRequest
 from fleet.models import Host, HostState, utcnow
 from tests.fleetkit import fleet_for, settings_for
-from tests.helpers import kill_llama_server
+from tests.helpers import kill_llama_server, listed_instances, sag_soon
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +116,7 @@ def database_snapshot(path) -> dict[str, list]:
 
 async def live_instances(cloud) -> list[dict]:
     async with cloud.client() as api:
-        return (await api.get("/api/v1/instances/")).json()["instances"]
+        return await listed_instances(api)
 
 
 async def test_reprice_dry_run_changes_nothing_then_moves_make_before_break(cloud, tmp_path):
@@ -225,10 +225,9 @@ async def test_blacklist_entries_expire(tmp_path):
 
 async def test_a_host_failing_its_thermal_reprobe_is_replaced_and_blacklisted(cloud, tmp_path):
     async with fleet_for(settings_fast(tmp_path)) as fleet:
-        machine = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
-        cloud.set_faults({"decode_sag": {str(machine): {"start_after_s": 0.0, "ramp_s": 4.0, "max_stop_share": 0.8}}})
         hot = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
-        assert hot.machine_id == machine
+        machine = hot.machine_id
+        sag_soon(cloud, hot.instance_id)
         [report] = await rotation.thermal_sweep(fleet)
         assert not report.healthy and "decode share fell" in report.reason and report.replaced_by
         assert fleet.record.hosts(names=[hot.name])[0].state == HostState.DESTROYED

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState
 from tests.fleetkit import fleet_for, settings_for, with_variant
-from tests.helpers import host_processes
+from tests.helpers import cheapest_offer, destroy, host_processes, listed_instances, rent
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +22,7 @@ def _local_cloud(local_cloud_env):
 
 async def live_instances(cloud) -> list[dict]:
     async with cloud.client() as api:
-        return (await api.get("/api/v1/instances/")).json()["instances"]
+        return await listed_instances(api)
 
 
 async def ranked_offers(settings) -> list:
@@ -181,15 +182,14 @@ async def test_reconcile_destroys_strays_and_marks_vanished_hosts(cloud, tmp_pat
         result = await fleet.up(UpRequest("tiny", "eu"))
         host = result.ready[0]
         async with cloud.client() as api:
-            offer = (
-                await api.post("/api/v0/bundles/", json={"rented": {"eq": False}, "order": [["dph_total", "asc"]]})
-            ).json()["offers"][0]
-            stray = (
-                await api.put(
-                    f"/api/v0/asks/{offer['id']}/", json={"image": "x", "disk": 20, "label": "fleet:lost-one"}
-                )
-            ).json()["new_contract"]
-            await api.delete(f"/api/v0/instances/{host.instance_id}/")  # vanished behind our back
+            offer = await cheapest_offer(api)
+            stray = await rent(api, offer["id"], label="fleet:lost-one")
+            await destroy(api, host.instance_id)  # vanished behind our back
+            # vast.ai's reads lag create: the stray is swept once the listing shows it (a fresh one waits
+            # for the next reconcile)
+            deadline = time.monotonic() + 20
+            while stray not in [i["id"] for i in await listed_instances(api)] and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
         report = await fleet.reconcile()
         assert report["gone"] == [host.name] and report["strays_destroyed"] == [stray]
         assert fleet.record.hosts(names=[host.name])[0].state == HostState.DESTROYED

@@ -64,6 +64,15 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                     return web.Response(
                         status=status, text="Service Temporarily Unavailable", content_type="text/plain"
                     )
+                refusal = cloud.limiter.check(request.method, _route(request), _identity(request), request.remote or "")
+                if refusal is not None:
+                    if isinstance(refusal.body, str):
+                        return web.Response(
+                            status=refusal.status, text=refusal.body, content_type="text/plain", headers=refusal.headers
+                        )
+                    response = json_response(refusal.body, refusal.status)
+                    response.headers.update(refusal.headers)
+                    return response
             if api and not path.startswith(PUBLIC_PATHS):
                 _check_auth(request, cloud.api_key)
             return await handler(request)
@@ -129,7 +138,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response(cloud.charges(filters))
 
     async def ssh_list(request: web.Request) -> web.Response:
-        return json_response(cloud.state.ssh_keys)
+        return json_response(cloud.ssh_keys())
 
     async def ssh_add(request: web.Request) -> web.Response:
         return json_response({"success": True, "key": cloud.add_ssh_key(await read_json(request))})
@@ -163,6 +172,9 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def admin_hub_stats(request: web.Request) -> web.Response:
         return json_response({"bytes_served": hub.bytes_served, "token_requests": hub.token_requests})
 
+    async def admin_stats(request: web.Request) -> web.Response:
+        return json_response({"rate_limited": cloud.limiter.refused})
+
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)
         r.add_route(method, path.rstrip("/") if path.endswith("/") else path + "/", handler)
@@ -185,9 +197,20 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("PUT", "/admin/faults", admin_faults_put)
     both("PUT", "/admin/offers/{id}", admin_offer_put)
     both("GET", "/admin/hub-stats", admin_hub_stats)
+    both("GET", "/admin/stats", admin_stats)
     for route in hub.routes():
         r.add_route(route.method, route.path, route.handler)
     return app
+
+
+def _route(request: web.Request) -> str:
+    """The route template a request matched (`/api/v0/instances/{id}/`), or its path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
+def _identity(request: web.Request) -> tuple[str, str]:
+    return request.headers.get("Authorization", ""), request.query.get("api_key", "")
 
 
 def _check_auth(request: web.Request, api_key: str) -> None:

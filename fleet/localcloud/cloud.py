@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.localcloud import catalog, procs, query
-from fleet.localcloud.faults import FaultDice, Faults
-from fleet.localcloud.hosts import HostError, LocalHost, free_port
+from fleet.localcloud import catalog, network, procs, query
+from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
+from fleet.localcloud.hosts import HostError, LocalHost
+from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
 
 log = logging.getLogger("fleet.localcloud")
 
 PORT_KEY = re.compile(r"^-p (\d{1,5}):(\d{1,5})(/tcp|/udp)?$")
+MAX_PORTS = 64  # vast.ai: "a limit of 64 total open ports per container"
 MAX_LIST_LIMIT = 25
 STARTING_CREDIT_USD = 100.0
 
@@ -40,12 +42,28 @@ class ApiError(Exception):
 
 @dataclass
 class CloudSettings:
+    """How the cloud behaves. The defaults are vast.ai's hardest documented forms (docs/vast-fidelity.md),
+    with boot phases shortened from minutes to seconds. `kind` turns off the time-based hardships (rate
+    limits, read lag, late SSH keys, heartbeat gaps) for tests that say why; the structure (NAT, SSH,
+    environment, error shapes, money) never changes."""
+
     state_dir: Path
     offers_dir: Path
     llama_server: Path | None = None
-    provision_delay_s: float = 0.5
+    provision_delay_s: float = 0.6  # null -> scheduling -> created, a third each
     loading_delay_s: float = 1.0
     hub_bytes_per_s: int = 4 * 1024 * 1024  # per connection, like a CDN edge
+    kind: bool = False
+
+    @property
+    def read_lag_s(self) -> float:
+        """How long a new instance stays invisible to show and list."""
+        return 0.0 if self.kind else 3.0
+
+    @property
+    def key_lag_s(self) -> float:
+        """How long after `running` the account's SSH keys reach the host (auth fails meanwhile)."""
+        return 0.0 if self.kind else 1.5
 
 
 @dataclass
@@ -60,8 +78,11 @@ class Instance:
     runtype: str
     created_at: float
     token: str
-    ssh_port: int
-    ports: dict[str, int]
+    private_ip: str  # the host's own address; its processes bind here, unreachable but through mappings
+    internal_ssh_port: int  # sshd on the private address (the container's port 22)
+    ssh_port: int  # the SSH proxy's port on PROXY_HOST (vast.ai's ssh_host/ssh_port)
+    ports: dict[str, int]  # container port ("22/tcp", "8000/tcp", "70000/tcp") -> external port
+    authorized_keys: list[str]  # the account's keys at create time (vast.ai applies no later one)
     status: str | None = None
     status_msg: str | None = None
     running_at: float | None = None
@@ -74,6 +95,24 @@ class Instance:
     @property
     def dph_total(self) -> float:
         return float(self.offer["dph_total"])
+
+    @property
+    def ssh_mode(self) -> bool:
+        return "ssh" in self.runtype or "jupyter" in self.runtype
+
+    def targets(self) -> dict[str, int]:
+        """Container port -> the port its process binds on the private address. An identity port
+        (above 65535) is bound at its external number, as `$VAST_TCP_PORT_70000` tells the container."""
+        found = {}
+        for key, external in self.ports.items():
+            number = int(key.split("/")[0])
+            if key == "22/tcp":
+                found[key] = self.internal_ssh_port
+            elif number > 65535:
+                found[key] = external
+            else:
+                found[key] = number
+        return found
 
 
 @dataclass
@@ -97,6 +136,7 @@ class State:
     charges: list[Charge] = field(default_factory=list)
     offer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     removed_offers: list[int] = field(default_factory=list)
+    destroyed: list[int] = field(default_factory=list)  # ids that existed: show answers them as gone
 
 
 class Cloud:
@@ -112,6 +152,10 @@ class Cloud:
         self.dice = FaultDice()
         self._tasks: dict[int, list[asyncio.Task]] = {}
         self._hosts: dict[int, LocalHost] = {}
+        self._networks: dict[int, network.HostNetwork] = {}
+        self.limiter = RateLimiter(scale=0.0 if settings.kind else 1.0)
+        if self.faults.search_quota_left is not None:
+            self.limiter.set_search_quota_left(self.faults.search_quota_left)
 
     # ---- persistence -------------------------------------------------------------------
     @property
@@ -140,6 +184,7 @@ class Cloud:
             charges=[Charge(**c) for c in raw["charges"]],
             offer_overrides={int(k): v for k, v in raw.get("offer_overrides", {}).items()},
             removed_offers=raw.get("removed_offers", []),
+            destroyed=raw.get("destroyed", []),
         )
 
     def save(self) -> None:
@@ -152,6 +197,7 @@ class Cloud:
             "charges": [vars(c) for c in s.charges],
             "offer_overrides": {str(k): v for k, v in s.offer_overrides.items()},
             "removed_offers": s.removed_offers,
+            "destroyed": s.destroyed,
         }
         _write_json_atomic(self.state_dir / "state.json", raw)
 
@@ -161,6 +207,9 @@ class Cloud:
 
     def set_faults(self, data: dict[str, Any]) -> None:
         self.faults = Faults.from_dict(data)
+        self.limiter.set_search_quota_left(
+            self.faults.search_quota_left if self.faults.search_quota_left is not None else DAILY_SEARCH_QUOTA
+        )
         _write_json_atomic(self.state_dir / "faults.json", self.faults.to_dict())
 
     # ---- offers ----------------------------------------------------------------------
@@ -215,6 +264,27 @@ class Cloud:
         onstart = body.get("onstart")
         if onstart is not None and not isinstance(onstart, str):
             raise ApiError(400, "invalid_args", "Invalid args: 'onstart' must be a string", ask_id=offer_id)
+        runtype = body.get("runtype") or "ssh"
+        if not isinstance(runtype, str):
+            raise ApiError(400, "invalid_args", "Invalid args: 'runtype' must be a string", ask_id=offer_id)
+
+        container_ports: list[str] = []
+        plain_env: dict[str, str] = {}
+        for key, value in env.items():
+            if key.startswith("-p "):
+                m = PORT_KEY.match(key)
+                if not m or not 0 < int(m.group(2)) < 100_000:
+                    raise ApiError(400, "invalid_args", f"Invalid args: bad port mapping {key!r}", ask_id=offer_id)
+                container_ports.append(f"{int(m.group(2))}{m.group(3) or '/tcp'}")
+            elif key.startswith("-"):
+                continue  # other docker options (-h, -v, ...) mean nothing here
+            else:
+                plain_env[key] = value
+        direct_ssh = "ssh_direc" in runtype or "22/tcp" in container_ports
+        if direct_ssh and "22/tcp" not in container_ports:
+            container_ports.insert(0, "22/tcp")
+        if len(container_ports) > MAX_PORTS:
+            raise ApiError(400, "invalid_args", f"Invalid args: at most {MAX_PORTS} open ports", ask_id=offer_id)
 
         gone = ApiError(
             404,
@@ -239,41 +309,45 @@ class Cloud:
                 ask_id=offer_id,
             )
 
-        ports: dict[str, int] = {}
-        plain_env: dict[str, str] = {}
-        for key, value in env.items():
-            if key.startswith("-p "):
-                m = PORT_KEY.match(key)
-                if not m:
-                    raise ApiError(400, "invalid_args", f"Invalid args: bad port mapping {key!r}", ask_id=offer_id)
-                ports[f"{m.group(2)}{m.group(3) or '/tcp'}"] = free_port()
-            elif key.startswith("-"):
-                continue  # other docker options (-h, -v, ...) mean nothing here
-            else:
-                plain_env[key] = value
+        priced = catalog.priced(offer, disk)
+        factor = self.faults.reprice_at_create.pop(offer_id, None)
+        if factor is not None:
+            priced = catalog.priced({**offer, "dph_base": float(offer.get("dph_base", 0.0)) * factor}, disk)
 
         instance_id = self.state.next_instance_id
         self.state.next_instance_id += 1
-        ssh_port = free_port()
+        private_ip = network.private_address()
         inst = Instance(
             id=instance_id,
-            offer=catalog.priced(offer, disk),
+            offer=priced,
             label=label,
             image=image,
             env=plain_env,
             onstart=onstart,
             disk=disk,
-            runtype=str(body.get("runtype") or "ssh"),
+            runtype=runtype,
             created_at=time.time(),
             token=secrets.token_hex(16),
-            ssh_port=ssh_port,
-            ports={"22/tcp": ssh_port, **ports},
+            private_ip=private_ip,
+            internal_ssh_port=network.internal_ssh_port(private_ip),
+            ssh_port=network.free_port(network.PROXY_HOST),
+            ports={key: network.free_port() for key in container_ports},
+            authorized_keys=[k["public_key"] for k in self.state.ssh_keys if not k.get("deleted_at")],
         )
         self.state.instances[instance_id] = inst
         self.state.charges.append(Charge(instance_id, label, inst.created_at, None, inst.dph_total))
         self.save()
         self.start_host(inst)
         log.info("created instance %s on offer %s (machine %s)", instance_id, offer_id, inst.machine_id)
+        if self.faults.create_error_with_contract > 0:
+            # vast.ai can answer a create with an error while the contract was made; the body names it.
+            self.faults.create_error_with_contract -= 1
+            raise ApiError(
+                200,
+                "internal_error",
+                f"error 500/4410: instance {instance_id} was created but could not be confirmed; retry later",
+                new_contract=instance_id,
+            )
         return instance_id
 
     def host_for(self, inst: Instance) -> LocalHost:
@@ -282,59 +356,116 @@ class Cloud:
             self._hosts[inst.id] = LocalHost(
                 directory=self.state_dir / "hosts" / str(inst.id),
                 token=inst.token,
-                ssh_port=inst.ssh_port,
+                private_ip=inst.private_ip,
+                ssh_port=inst.internal_ssh_port,
                 llama_server=self.settings.llama_server,
             )
         return self._hosts[inst.id]
 
-    def start_host(self, inst: Instance) -> None:
-        """Boot the instance's host: null -> loading -> running, as the faults allow."""
-        boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
-        self._tasks.setdefault(inst.id, []).append(boot)
-
-    async def _boot(self, inst: Instance) -> None:
-        # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
-        # the boot looks whether the instance was destroyed meanwhile and, if so, ends what it started.
-        await asyncio.sleep(self.settings.provision_delay_s)
-        if inst.id not in self.state.instances:
-            return
-        inst.status, inst.status_msg = "loading", "loading image"
-        self.save()
-        host = self.host_for(inst)
+    def container_env(self, inst: Instance) -> dict[str, str]:
+        """The container's environment (PID 1 and onstart see it; SSH sessions do not)."""
         env = dict(inst.env)
         for key, port in inst.ports.items():
             number, proto = key.split("/")
             env[f"VAST_{proto.upper()}_PORT_{number}"] = str(port)
-        env["CONTAINER_ID"] = f"C.{inst.id}"
-        env["PUBLIC_IPADDR"] = "127.0.0.1"
-        steps = [
-            lambda: host.prepare(env, [k["public_key"] for k in self.state.ssh_keys]),
-            host.start_sshd,
-            *([lambda: host.run_onstart(inst.onstart)] if inst.onstart else []),
-        ]
-        for step in steps:
-            try:
-                await asyncio.to_thread(step)
-            except HostError as e:
-                log.error("instance %s failed to boot: %s", inst.id, e)
-                inst.status, inst.status_msg = "exited", f"Error: {e}"
-                self.save()
-                return
-            finally:
-                if inst.id not in self.state.instances:
-                    await asyncio.to_thread(host.remove)
+        env.update(
+            CONTAINER_ID=str(inst.id),
+            VAST_CONTAINERLABEL=f"C.{inst.id}",
+            PUBLIC_IPADDR=network.PUBLIC_HOST,
+            GPU_COUNT=str(inst.offer.get("num_gpus") or 1),
+            SSH_PUBLIC_KEY=inst.authorized_keys[-1] if inst.authorized_keys else "",
+        )
+        return env
+
+    def start_host(self, inst: Instance) -> None:
+        """Boot the instance's host: null -> scheduling -> created -> loading -> running, as the faults allow."""
+        boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
+        self._tasks.setdefault(inst.id, []).append(boot)
+
+    def _set_status(self, inst: Instance, status: str | None, msg: str | None) -> None:
+        inst.status, inst.status_msg = status, msg
+        self.save()
+
+    async def _boot(self, inst: Instance) -> None:
+        # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
+        # the boot looks whether the instance was destroyed meanwhile and, if so, ends what it started.
+        third = self.settings.provision_delay_s / 3
+        for status, msg in ((None, None), ("scheduling", "Scheduling instance"), ("created", "Container created")):
+            self._set_status(inst, status, msg)
+            await asyncio.sleep(third)
             if inst.id not in self.state.instances:
                 return
+        if inst.machine_id in self.faults.oci_error:
+            self._set_status(
+                inst,
+                "created",
+                "Error response from daemon: failed to create task for container: failed to create shim task: "
+                "OCI runtime create failed: runc create failed: unable to start container process: "
+                "error during container init: nvidia-container-cli: initialization error",
+            )
+            return
+        self._set_status(inst, "loading", f"Pulling image {inst.image}")
+        host = self.host_for(inst)
+        env = self.container_env(inst)
+        boot_steps = [host.prepare, host.start_platform_sshd if inst.ssh_mode else lambda: host.start_entrypoint(env)]
+        if not await self._host_steps(inst, boot_steps):
+            return
         if inst.machine_id in self.faults.stuck_loading:
             return
         await asyncio.sleep(self.settings.loading_delay_s)
         if inst.id not in self.state.instances:
             return
-        inst.status, inst.status_msg = "running", f"success, running {inst.image}"
+        net = self._network(inst)
+        await net.start()
+        if inst.id not in self.state.instances:
+            await net.stop()
+            return
         inst.running_at = time.time()
-        self.save()
+        self._set_status(inst, "running", f"success, running {inst.image}/{'ssh' if inst.ssh_mode else 'args'}")
         watch = asyncio.get_running_loop().create_task(self._watch(inst), name=f"watch-{inst.id}")
         self._tasks.setdefault(inst.id, []).append(watch)
+        # The platform's init installs the account's keys (late: "if authentication fails, try again after
+        # a few seconds") and then runs onstart.
+        await asyncio.sleep(self.settings.key_lag_s)
+        if inst.id not in self.state.instances:
+            return
+        later = []
+        if inst.ssh_mode:
+            later.append(lambda: host.install_keys(inst.authorized_keys))
+        if inst.onstart:
+            later.append(lambda: host.run_onstart(inst.onstart or "", env))
+        await self._host_steps(inst, later)
+
+    async def _host_steps(self, inst: Instance, steps: list) -> bool:
+        host = self.host_for(inst)
+        for step in steps:
+            try:
+                await asyncio.to_thread(step)
+            except HostError as e:
+                log.error("instance %s failed to boot: %s", inst.id, e)
+                self._set_status(inst, "exited", f"Error: {e}")
+                return False
+            finally:
+                if inst.id not in self.state.instances:
+                    await asyncio.to_thread(host.remove)
+            if inst.id not in self.state.instances:
+                return False
+        return True
+
+    def _network(self, inst: Instance) -> network.HostNetwork:
+        if inst.id not in self._networks:
+            targets = inst.targets()
+            mappings = [
+                network.Mapping(network.PUBLIC_HOST, external, inst.private_ip, targets[key])
+                for key, external in inst.ports.items()
+                if key.endswith("/tcp")
+            ]
+            if inst.ssh_mode:
+                mappings.append(
+                    network.Mapping(network.PROXY_HOST, inst.ssh_port, inst.private_ip, inst.internal_ssh_port)
+                )
+            self._networks[inst.id] = network.HostNetwork(mappings)
+        return self._networks[inst.id]
 
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
@@ -344,8 +475,8 @@ class Cloud:
             exit_after = self.faults.exit_after_s.get(inst.machine_id)
             if exit_after is not None and running_for >= exit_after:
                 await asyncio.to_thread(self.host_for(inst).stop)
-                inst.status, inst.status_msg = "exited", "container exited unexpectedly"
-                self.save()
+                await self._network(inst).stop()
+                self._set_status(inst, "exited", "container exited unexpectedly")
                 return
             vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
             if vanish_after is not None and running_for >= vanish_after:
@@ -362,9 +493,19 @@ class Cloud:
             else:
                 await asyncio.sleep(period)
 
+    def _visible(self, inst: Instance, now: float) -> bool:
+        """vast.ai's read path lags its create: a new instance is not shown or listed for a few seconds."""
+        return now - inst.created_at >= self.settings.read_lag_s
+
     def get(self, instance_id: int) -> dict[str, Any] | None:
+        """Show one instance. Not there (unknown, destroyed, or not yet visible): `{"instances": null}`
+        or a 404, as vast.ai answers either."""
         inst = self.state.instances.get(instance_id)
-        return self.row(inst) if inst else None
+        if inst is not None and self._visible(inst, time.time()):
+            return self.row(inst)
+        if instance_id % 2 and (inst is not None or instance_id in self.state.destroyed):
+            raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
+        return None
 
     def list_rows(self, params: dict[str, str]) -> dict[str, Any]:
         try:
@@ -383,7 +524,9 @@ class Cloud:
         for col in select_filters:
             if col in ("dph_total", "num_gpus"):
                 raise ApiError(400, "invalid_args", f"Invalid args: cannot filter on computed column {col}")
-        rows = [self.row(i) for i in sorted(self.state.instances.values(), key=lambda i: i.id)]
+        now = time.time()
+        visible = [i for i in sorted(self.state.instances.values(), key=lambda i: i.id) if self._visible(i, now)]
+        rows = [self.row(i) for i in visible]
         try:
             rows = [r for r in rows if query.matches(r, select_filters)]
         except query.QueryError as e:
@@ -396,12 +539,12 @@ class Cloud:
         page = rows[:limit]
         more = len(rows) > limit
         labels: dict[str, int] = {}
-        for inst in self.state.instances.values():
+        for inst in visible:
             labels[inst.label or ""] = labels.get(inst.label or "", 0) + 1
         return {
             "success": True,
             "instances_found": len(page),
-            "total_instances": len(self.state.instances),
+            "total_instances": len(visible),
             "label_counts": labels,
             "next_token": json.dumps(page[-1]["id"]) if more and page else None,
             "instances": page,
@@ -441,13 +584,17 @@ class Cloud:
         await self._forget(instance_id)
 
     async def _forget(self, instance_id: int) -> None:
-        """Remove the instance: its boot and watch tasks, every process of its host, its directory."""
+        """Remove the instance: its boot and watch tasks, its forwarders, every process of its host, its directory."""
         inst = self.state.instances.pop(instance_id, None)
         if inst is None:
             return
+        self.state.destroyed.append(instance_id)
         for task in self._tasks.pop(instance_id, []):
             if task is not asyncio.current_task() and task.get_name().startswith("watch-"):
                 task.cancel()
+        net = self._networks.pop(instance_id, None)
+        if net is not None:
+            await net.stop()
         await asyncio.to_thread(self.host_for(inst).remove)
         self._hosts.pop(instance_id, None)
         now = time.time()
@@ -457,14 +604,27 @@ class Cloud:
         self.save()
         log.info("destroyed instance %s", instance_id)
 
+    def _heartbeat(self, inst: Instance, now: float) -> str | None:
+        """`offline`/`unknown` while the host's heartbeat is late, or None. A fault names a machine; without
+        one, every third instance of a strict cloud misses its heartbeat once, soon after it runs."""
+        if inst.status != "running" or inst.running_at is None:
+            return None
+        gap = self.faults.heartbeat_gap.get(inst.machine_id)
+        if gap is None and not self.settings.kind and inst.id % 3 == 0:
+            gap = HeartbeatGap(after_s=2.0, for_s=3.0, status="offline" if inst.id % 2 else "unknown")
+        if gap and gap.after_s <= now - inst.running_at < gap.after_s + gap.for_s:
+            return gap.status
+        return None
+
     def row(self, inst: Instance) -> dict[str, Any]:
         """The instance as vast.ai's show-instance answers it."""
         o = inst.offer
         running = inst.status == "running"
         now = time.time()
+        _, b, c, d = inst.private_ip.split(".")
         return {
             "id": inst.id,
-            "actual_status": inst.status,
+            "actual_status": self._heartbeat(inst, now) or inst.status,
             "intended_status": inst.intended_status,
             "cur_state": "running",
             "next_state": "running",
@@ -483,17 +643,15 @@ class Cloud:
             "template_id": None,
             "template_hash_id": None,
             "template_name": None,
-            "ssh_host": "127.0.0.1",
+            "ssh_host": network.PROXY_HOST if inst.ssh_mode else None,
             "ssh_idx": str(inst.id % 10000),
-            "ssh_port": inst.ssh_port,
+            "ssh_port": inst.ssh_port if inst.ssh_mode else None,
             "machine_dir_ssh_port": inst.ssh_port,
-            "public_ipaddr": "127.0.0.1",
-            "local_ipaddrs": "127.0.0.1\n",
-            "ports": {k: [{"HostIp": "127.0.0.1", "HostPort": str(p)}] for k, p in inst.ports.items()}
-            if running
-            else None,
-            "direct_port_start": min(inst.ports.values()),
-            "direct_port_end": max(inst.ports.values()),
+            "public_ipaddr": network.PUBLIC_HOST,
+            "local_ipaddrs": f"10.{b}.{c}.{d} 172.17.0.1 \n",  # the machine's LAN: unreachable from outside
+            "ports": self._listed_ports(inst) if running else None,
+            "direct_port_start": min(inst.ports.values(), default=-1),
+            "direct_port_end": max(inst.ports.values(), default=-1),
             "direct_port_count": o.get("direct_port_count"),
             "num_gpus": o.get("num_gpus"),
             "gpu_name": o.get("gpu_name"),
@@ -564,6 +722,21 @@ class Cloud:
             "time_remaining_isbid": "",
         }
 
+    @staticmethod
+    def _listed_ports(inst: Instance) -> dict[str, list[dict[str, str]]]:
+        """`ports` as Docker reports it: container port -> [{"HostIp": "0.0.0.0", "HostPort": "<external>"}].
+        Docker cannot map a port above 65535, so an identity port is listed under its external number
+        (even instance ids) or not at all (odd ids, as in vast.ai's own example instance)."""
+        listed = {}
+        for key, external in inst.ports.items():
+            number, proto = key.split("/")
+            if int(number) > 65535:
+                if inst.id % 2:
+                    continue
+                key = f"{external}/{proto}"
+            listed[key] = [{"HostIp": "0.0.0.0", "HostPort": str(external)}]
+        return listed
+
     # ---- account -----------------------------------------------------------------------
     def credit(self) -> float:
         now = time.time()
@@ -576,7 +749,7 @@ class Cloud:
             "email": "local@localcloud.invalid",
             "credit": self.credit(),
             "balance": 0.0,
-            "ssh_key": self.state.ssh_keys[-1]["public_key"] if self.state.ssh_keys else None,
+            "ssh_key": next((k["public_key"] for k in reversed(self.state.ssh_keys) if not k.get("deleted_at")), None),
             "host_agreement_accepted": False,
             "sid": None,
         }
@@ -631,11 +804,17 @@ class Cloud:
         self.save()
         return entry
 
+    def ssh_keys(self) -> list[dict[str, Any]]:
+        """The account's keys, deleted ones with their `deleted_at`; an account that never had one: 404."""
+        if not self.state.ssh_keys:
+            raise ApiError(404, "not_found", "No SSH keys found for this account.")
+        return self.state.ssh_keys
+
     def delete_ssh_key(self, key_id: int) -> None:
-        before = len(self.state.ssh_keys)
-        self.state.ssh_keys = [k for k in self.state.ssh_keys if k["id"] != key_id]
-        if len(self.state.ssh_keys) == before:
+        key = next((k for k in self.state.ssh_keys if k["id"] == key_id and not k.get("deleted_at")), None)
+        if key is None:
             raise ApiError(404, "not_found", f"ssh key {key_id} not found")
+        key["deleted_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.save()
 
     def gpu_names(self) -> list[str]:
@@ -655,6 +834,9 @@ class Cloud:
         for tasks in self._tasks.values():
             for task in tasks:
                 task.cancel()
+        for net in self._networks.values():
+            await net.stop()
+        self._networks.clear()
         # A boot step already in a thread still finishes (and may start sshd): wait for those threads,
         # then end every host's processes.
         await asyncio.get_running_loop().shutdown_default_executor()

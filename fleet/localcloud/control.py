@@ -70,9 +70,11 @@ def start(
     provision_delay_s: float | None = None,
     loading_delay_s: float | None = None,
     hub_bytes_per_s: int | None = None,
+    kind: bool = False,
     timeout_s: float = 30.0,
 ) -> CloudInfo:
-    """Start the cloud unless it already runs; return where it listens."""
+    """Start the cloud unless it already runs; return where it listens. `kind` turns off vast.ai's
+    time-based hardships (rate limits, read lag, late SSH keys, heartbeat gaps): for tests that say why."""
     running = find(state_dir)
     if running:
         return running
@@ -87,6 +89,8 @@ def start(
         argv += ["--loading-delay", str(loading_delay_s)]
     if hub_bytes_per_s is not None:
         argv += ["--hub-bytes-per-s", str(hub_bytes_per_s)]
+    if kind:
+        argv.append("--kind")
     with (state_dir / "server.log").open("ab") as log:
         process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -145,12 +149,16 @@ def status(state_dir: Path) -> dict[str, object]:
             "state_dir": str(state_dir),
             "instances": None,
         }
-    response = httpx.get(
-        f"{info.url}/api/v1/instances/",
-        params={"limit": "1"},
-        headers={"Authorization": f"Bearer {info.api_key()}"},
-        timeout=10.0,
-    )
+    for _ in range(10):  # the listing is rate limited like vast.ai's: one a second per key
+        response = httpx.get(
+            f"{info.url}/api/v1/instances/",
+            params={"limit": "1"},
+            headers={"Authorization": f"Bearer {info.api_key()}"},
+            timeout=10.0,
+        )
+        if response.status_code != 429:
+            break
+        time.sleep(float(response.headers.get("Retry-After") or 1.1))
     response.raise_for_status()
     return {
         "running": True,

@@ -43,6 +43,13 @@ class DecodeSag:
 
 
 @dataclass
+class HeartbeatGap:
+    after_s: float = 2.0  # after the instance runs
+    for_s: float = 3.0
+    status: str = "offline"  # or "unknown"
+
+
+@dataclass
 class Faults:
     rate_limit: RequestFault | None = None
     server_error: RequestFault | None = None
@@ -53,6 +60,11 @@ class Faults:
     pull_reset: PullReset | None = None
     corrupt_files: list[str] = field(default_factory=list)  # hub file names served with one byte flipped
     decode_sag: dict[int, DecodeSag] = field(default_factory=dict)
+    oci_error: list[int] = field(default_factory=list)  # machines whose container never starts
+    heartbeat_gap: dict[int, HeartbeatGap] = field(default_factory=dict)
+    reprice_at_create: dict[int, float] = field(default_factory=dict)  # offer id -> factor on its GPU price
+    create_error_with_contract: int = 0  # the next N creates answer an error naming the contract they made
+    search_quota_left: int | None = None  # searches left today (None: the default quota)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -70,6 +82,11 @@ class Faults:
             pull_reset=PullReset(**data["pull_reset"]) if data.get("pull_reset") else None,
             corrupt_files=[str(x) for x in data.get("corrupt_files", [])],
             decode_sag={int(k): DecodeSag(**v) for k, v in data.get("decode_sag", {}).items()},
+            oci_error=[int(x) for x in data.get("oci_error", [])],
+            heartbeat_gap={int(k): HeartbeatGap(**v) for k, v in data.get("heartbeat_gap", {}).items()},
+            reprice_at_create={int(k): float(v) for k, v in data.get("reprice_at_create", {}).items()},
+            create_error_with_contract=int(data.get("create_error_with_contract", 0)),
+            search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -28,12 +28,6 @@ class HostError(RuntimeError):
     """The local machine could not provide a host (missing sshd, no port, ...)."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -44,11 +38,16 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 
 @dataclass
 class LocalHost:
+    """One rented host. The platform (the local cloud) lays it out, makes its SSH host keys, starts its
+    sshd on the host's private address, installs the account's keys and runs the onstart script, as
+    vast.ai's init does for the ssh launch modes; the image's own ENTRYPOINT runs only in the
+    entrypoint (args) mode."""
+
     directory: Path
     token: str
-    ssh_port: int
+    private_ip: str
+    ssh_port: int  # sshd's port on the private address (the container's port 22)
     llama_server: Path | None
-    listen_host: str = "127.0.0.1"
     roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
 
     @property
@@ -63,52 +62,66 @@ class LocalHost:
     def log_dir(self) -> Path:
         return self.directory / "log"
 
-    def prepare(self, env: dict[str, str], authorized_keys: list[str]) -> None:
-        """Lay out the host directory: PATH, environment, sshd config, authorized keys."""
+    @property
+    def bin_dir(self) -> Path:
+        return self.directory / "bin"
+
+    def base_env(self) -> dict[str, str]:
+        """What every process of the host has: the image's PATH, HOME, the host's network and marker.
+
+        FLEET_LISTEN_HOST is the host's own address: what 0.0.0.0 is inside a container's network
+        namespace (the image's scripts default to 0.0.0.0)."""
+        return {
+            "PATH": f"{self.bin_dir}:{BASE_PATH}",
+            "HOME": str(self.root),
+            "FLEET_LISTEN_HOST": self.private_ip,
+            "TMUX_TMPDIR": str(self.directory / "tmux"),
+            procs.MARKER: self.token,
+        }
+
+    def prepare(self) -> None:
+        """Lay out the host directory: PATH, the SSH session's environment, the sshd config."""
         if not Path(SSHD).exists():
             raise HostError(f"{SSHD} not found: install Debian's openssh-server")
-        for d in (self.root, self.etc, self.log_dir, self.directory / "bin"):
+        for d in (self.root, self.root / ".ssh", self.etc, self.log_dir, self.bin_dir, self.directory / "tmux"):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
-        bin_dir = self.directory / "bin"
         for script in HOST_SCRIPTS.iterdir():
-            _link(script, bin_dir / script.name)
+            _link(script, self.bin_dir / script.name)
         aria2c = shutil.which("aria2c")
         if aria2c:
-            _link(Path(aria2c), bin_dir / "aria2c")
+            _link(Path(aria2c), self.bin_dir / "aria2c")
         if self.llama_server:
-            _link(self.llama_server, bin_dir / "llama-server")
+            _link(self.llama_server, self.bin_dir / "llama-server")
 
-        full_env = {
-            "PATH": f"{bin_dir}:{BASE_PATH}",
-            "HOME": str(self.root),
-            "FLEET_LISTEN_HOST": self.listen_host,
-            procs.MARKER: self.token,
-            **env,
-        }
-        lines = [f"export {k}={shlex.quote(v)}" for k, v in full_env.items() if _env_name_ok(k)]
-        _write_private(self.etc / "environment", "\n".join(lines) + "\n")
-        session = self.directory / "bin" / "session"
+        # An SSH session gets the image's environment only: the create call's env is not in it
+        # (vast.ai's docs: export it to /etc/environment from onstart to see it there).
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in self.base_env().items()]
+        _write_private(self.etc / "session-environment", "\n".join(lines) + "\n")
+        session = self.bin_dir / "session"
         _write_private(
             session,
             "#!/bin/sh\n"
-            "# Every SSH session of this host starts here, with the container's environment.\n"
-            f". {shlex.quote(str(self.etc / 'environment'))}\n"
+            "# Every SSH session of this host starts here, with the image's environment.\n"
+            f". {shlex.quote(str(self.etc / 'session-environment'))}\n"
             'cd "$HOME"\n'
             'if [ -n "${SSH_ORIGINAL_COMMAND:-}" ]; then exec /bin/sh -c "$SSH_ORIGINAL_COMMAND"; fi\n'
+            "# An interactive login lands in tmux, as on vast.ai, unless ~/.no_auto_tmux exists.\n"
+            'if [ ! -e "$HOME/.no_auto_tmux" ] && command -v tmux >/dev/null 2>&1; then\n'
+            "  exec tmux new-session -A -s ssh_tmux\n"
+            "fi\n"
             "exec /bin/sh -l\n",
         )
         os.chmod(session, 0o700)
-        _write_private(self.etc / "authorized_keys", "".join(k.strip() + "\n" for k in authorized_keys))
         _write_private(
             self.etc / "sshd_config",
             "\n".join(
                 [
                     f"Port {self.ssh_port}",
-                    "ListenAddress 127.0.0.1",
+                    f"ListenAddress {self.private_ip}",
                     f"HostKey {self.etc / 'ssh_host_ed25519_key'}",
                     f"PidFile {self.directory / 'sshd.pid'}",
-                    f"AuthorizedKeysFile {self.etc / 'authorized_keys'}",
+                    f"AuthorizedKeysFile {self.root / '.ssh' / 'authorized_keys'}",
                     "StrictModes no",
                     "UsePAM no",
                     "PasswordAuthentication no",
@@ -126,18 +139,12 @@ class LocalHost:
             ),
         )
 
-    def _spawn(self, argv: list[str], log_name: str, extra_env: dict[str, str]) -> int:
-        env = {
-            "PATH": f"{self.directory / 'bin'}:{BASE_PATH}",
-            "HOME": str(self.root),
-            procs.MARKER: self.token,
-            **extra_env,
-        }
+    def _spawn(self, argv: list[str], log_name: str, env: dict[str, str]) -> int:
         with (self.log_dir / log_name).open("ab") as log:
             process = subprocess.Popen(
                 argv,
                 cwd=self.root,
-                env=env,
+                env={**env, **self.base_env()},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -146,29 +153,40 @@ class LocalHost:
         self.roots.append(process.pid)
         return process.pid
 
-    def start_sshd(self, timeout_s: float = 10.0) -> int:
-        """Run the image's entry point (host keys at first start, then sshd); wait for the port."""
+    def _wait_sshd(self, pid: int, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if port_open(self.private_ip, self.ssh_port):
+                return pid
+            time.sleep(0.05)
+        raise HostError(f"sshd did not listen on {self.private_ip}:{self.ssh_port}; see {self.log_dir / 'sshd.log'}")
+
+    def start_platform_sshd(self, timeout_s: float = 10.0) -> int:
+        """The platform's init (ssh launch modes): host keys at first start, then sshd."""
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation directory
+        key = self.etc / "ssh_host_ed25519_key"
+        if not key.exists():
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "", "-f", str(key)], check=True)
+        pid = self._spawn([SSHD, "-D", "-e", "-f", str(self.etc / "sshd_config")], "sshd.log", {})
+        return self._wait_sshd(pid, timeout_s)
+
+    def start_entrypoint(self, env: dict[str, str], timeout_s: float = 10.0) -> int:
+        """The image's ENTRYPOINT (entrypoint launch mode): fleet-host-init makes host keys, runs sshd."""
         pid = self._spawn(
             [str(HOST_SCRIPTS / "fleet-host-init")],
             "sshd.log",
-            {
-                "FLEET_SSHD_CONFIG": str(self.etc / "sshd_config"),
-                "FLEET_HOST_KEY_DIR": str(self.etc),
-            },
+            {**env, "FLEET_SSHD_CONFIG": str(self.etc / "sshd_config"), "FLEET_HOST_KEY_DIR": str(self.etc)},
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if port_open("127.0.0.1", self.ssh_port):
-                return pid
-            time.sleep(0.05)
-        raise HostError(f"sshd did not listen on port {self.ssh_port}; see {self.log_dir / 'sshd.log'}")
+        return self._wait_sshd(pid, timeout_s)
 
-    def run_onstart(self, script: str) -> int:
-        """Run the create call's onstart script in the host's environment, detached."""
-        path = self.directory / "onstart.sh"
+    def install_keys(self, authorized_keys: list[str]) -> None:
+        _write_private(self.root / ".ssh" / "authorized_keys", "".join(k.strip() + "\n" for k in authorized_keys))
+
+    def run_onstart(self, script: str, env: dict[str, str]) -> int:
+        """Run the create call's onstart script (as /root/onstart.sh) with the container's environment."""
+        path = self.root / "onstart.sh"
         _write_private(path, script)
-        env_file = shlex.quote(str(self.etc / "environment"))
-        return self._spawn(["/bin/sh", "-c", f". {env_file}; exec /bin/sh {shlex.quote(str(path))}"], "onstart.log", {})
+        return self._spawn(["/bin/sh", str(path)], "onstart.log", env)
 
     def host_public_key(self) -> str | None:
         path = self.etc / "ssh_host_ed25519_key.pub"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from fleet.localcloud.hosts import free_port
+from fleet.localcloud.network import free_port
 
 
 @contextmanager

@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offers-dir", type=Path, default=DEFAULT_OFFERS_DIR)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--provision-delay", type=float, default=0.5)
+    parser.add_argument("--provision-delay", type=float, default=0.6)
     parser.add_argument("--loading-delay", type=float, default=1.0)
     parser.add_argument("--hub-bytes-per-s", type=int, default=4 * 1024 * 1024)
+    parser.add_argument(
+        "--kind", action="store_true", help="no rate limits, read lag, late SSH keys or heartbeat gaps (tests only)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = CloudSettings(
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         provision_delay_s=args.provision_delay,
         loading_delay_s=args.loading_delay,
         hub_bytes_per_s=args.hub_bytes_per_s,
+        kind=args.kind,
     )
     asyncio.run(serve(settings, args.host, args.port))
 

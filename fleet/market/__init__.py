@@ -3,6 +3,8 @@
 Each error maps to one policy in the lifecycle:
 - OfferGone / NoCapacity: take the next offer;
 - RateLimited / Transient: retried here with backoff (Retry-After honoured) before they surface;
+- CreateFailed: destroy the contract the answer names (or the one found by label), take the next offer;
+- SearchQuotaExceeded: stop, saying when the quota resets; never retried;
 - AuthError / BadRequest / MarketError: stop, after destroying what this attempt created.
 """
 
@@ -31,7 +33,24 @@ class RateLimited(MarketError):
 
 
 class Transient(MarketError):
-    """A 5xx or a broken connection: worth retrying."""
+    """A 5xx or a broken connection: worth retrying, except where the request may have been processed."""
+
+
+class SearchQuotaExceeded(MarketError):
+    """vast.ai's daily search quota is spent; it resets at 00:00 UTC (`reset_at`, epoch seconds)."""
+
+    def __init__(self, message: str, reset_at: float | None = None) -> None:
+        super().__init__(message)
+        self.reset_at = reset_at
+
+
+class CreateFailed(MarketError):
+    """Create answered an error. vast.ai may have made the contract all the same: `new_contract` is the
+    instance its answer names, if any; without one, only a lookup by label can tell."""
+
+    def __init__(self, message: str, new_contract: int | None = None) -> None:
+        super().__init__(message)
+        self.new_contract = new_contract
 
 
 class AuthError(MarketError):
@@ -120,26 +139,38 @@ class Instance:
     public_ip: str | None
     ssh_host: str | None  # vast.ai's SSH gateway
     ssh_port: int | None
-    ports: dict[int, tuple[str, int]]  # container port -> (host ip, host port), once running
+    ports: dict[int, int]  # container port -> external port on public_ip, once running
     start_date: float | None
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     def ssh_endpoint(self) -> tuple[str, int] | None:
         """Direct (public IP and the port mapped to 22) when there is one, else the gateway."""
         if self.public_ip and 22 in self.ports:
-            return self.public_ip, self.ports[22][1]
+            return self.public_ip, self.ports[22]
         if self.ssh_host and self.ssh_port:
             return self.ssh_host, self.ssh_port
         return None
 
     def service_endpoint(self, container_port: int) -> tuple[str, int] | None:
+        """Where the outside reaches a container port: the public IP and the port `ports` maps it to
+        (`HostIp` says 0.0.0.0, which is no address to connect to)."""
         if not self.public_ip or container_port not in self.ports:
             return None
-        return self.public_ip, self.ports[container_port][1]
+        return self.public_ip, self.ports[container_port]
+
+    def boot_error(self) -> str | None:
+        """The container cannot start (vast.ai leaves such an instance `created`, saying why in status_msg)."""
+        msg = self.status_msg or ""
+        if self.status in (None, "created", "loading") and any(sign in msg for sign in BOOT_ERRORS):
+            return msg
+        return None
 
 
 PENDING = frozenset({None, "created", "loading", "restarting", "rebooting", "scheduling"})
-FAILED = frozenset({"exited", "unknown", "offline", "stopped", "frozen"})
+FAILED = frozenset({"exited", "stopped", "frozen"})
+# A host's heartbeat is late: the instance reads like this for a while and comes back (or does not).
+HEARTBEAT_LOST = frozenset({"unknown", "offline"})
+BOOT_ERRORS = ("OCI runtime create failed", "Error response from daemon", "failed to create task for container")
 
 
 class Market(Protocol):
@@ -154,11 +185,16 @@ class Market(Protocol):
         on an ambiguous answer: a retried create can buy twice."""
 
     async def get(self, instance_id: int) -> Instance | None:
-        """The instance, or None when the marketplace no longer has it."""
+        """The instance, or None when the marketplace does not show it: gone (vast.ai answers null or 404
+        after destroy) or not yet visible (its read path lags create by a few seconds)."""
 
     async def list(self, label_prefix: str) -> list[Instance]:
         """Every instance whose label starts with label_prefix, all pages. Raises MarketError on a
         malformed listing: it never answers "no instances" for an answer it did not understand."""
+
+    async def instances(self, ids: list[int]) -> dict[int, Instance]:
+        """The given instances in one listing (a page per 25), for polling many at once. An id missing
+        from the answer is gone or not yet visible, as with get."""
 
     async def destroy(self, instance_id: int) -> None:
         """Destroy the instance. Idempotent: an instance already gone is success."""

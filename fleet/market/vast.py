@@ -1,16 +1,24 @@
-"""The vast.ai client (httpx, async). The same code talks to vast.ai and to the local cloud."""
+"""The vast.ai client (httpx, async). The same code talks to vast.ai and to the local cloud.
+
+Every request goes through the process's pacer (fleet/market/pacing.py), so fleet keeps inside
+vast.ai's per-endpoint intervals; a 429 that happens anyway is retried after its Retry-After (or the
+endpoint's penalty), each retry logged, a bounded number of times. A 5xx or a broken connection is
+retried too, except on create, where the request may have been processed.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from fleet.market import (
     AuthError,
     BadRequest,
+    CreateFailed,
     Instance,
     InstanceSpec,
     MarketError,
@@ -18,25 +26,30 @@ from fleet.market import (
     OfferGone,
     OfferQuery,
     RateLimited,
+    SearchQuotaExceeded,
     Transient,
 )
+from fleet.market.pacing import Pacer, shared_pacer
 
-PAGE = 25
-_backoff = wait_exponential(multiplier=0.2, min=0.2, max=10)
+log = logging.getLogger("fleet.market")
 
-
-def _wait(retry_state: Any) -> float:
-    """Honour Retry-After when the server gives one (vast.ai usually does not), else back off."""
-    error = retry_state.outcome.exception() if retry_state.outcome else None
-    if isinstance(error, RateLimited) and error.retry_after_s is not None:
-        return min(error.retry_after_s, 60.0)
-    return _backoff(retry_state)
+PAGE = 25  # vast.ai's most rows per listing page
+RUNTYPE = "ssh_direc ssh_proxy"  # the platform starts sshd with the account's keys; 22 mapped directly too
 
 
 class VastMarket:
-    def __init__(self, url: str, api_key: str, *, retries: int = 6, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        *,
+        attempts: int = 8,
+        timeout_s: float = 30.0,
+        pacer: Pacer | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
-        self._retries = retries
+        self._attempts = attempts
+        self.pacer = pacer or shared_pacer(self.url, api_key)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "fleet/0.1"},
@@ -46,16 +59,26 @@ class VastMarket:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, *, retry_ambiguous: bool = True, **kw: Any) -> Any:
-        retryable: tuple[type[Exception], ...] = (RateLimited, Transient) if retry_ambiguous else (RateLimited,)
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(retryable),
-            stop=stop_after_attempt(self._retries),
-            wait=_wait,
-            reraise=True,
-        ):
-            with attempt:
-                return await self._once(method, path, **kw)
+    async def _request(self, endpoint: str, method: str, path: str, *, retry_ambiguous: bool = True, **kw: Any) -> Any:
+        """One logical call: paced, retried on 429 (always safe: nothing was done) and, unless the
+        call may have been processed, on 5xx and broken connections."""
+        for attempt in range(1, self._attempts + 1):
+            try:
+                async with self.pacer.slot(endpoint):
+                    return await self._once(method, path, **kw)
+            except RateLimited as e:
+                if attempt == self._attempts:
+                    raise
+                wait = self.pacer.penalize(endpoint, e.retry_after_s, attempt)
+                log.warning(
+                    "%s %s: rate limited (429); retry %d/%d in %.1fs", method, path, attempt, self._attempts - 1, wait
+                )
+            except Transient as e:
+                if not retry_ambiguous or attempt == self._attempts:
+                    raise
+                wait = self.pacer.defer(endpoint, min(0.5 * 2 ** (attempt - 1), 30.0))
+                log.warning("%s; retry %d/%d in %.1fs", e, attempt, self._attempts - 1, wait)
+            self.pacer.retried(endpoint)
         raise AssertionError("unreachable")
 
     async def _once(self, method: str, path: str, **kw: Any) -> Any:
@@ -63,15 +86,17 @@ class VastMarket:
             response = await self._http.request(method, path, **kw)
         except httpx.TransportError as e:
             raise Transient(f"{method} {path}: {type(e).__name__}: {e}") from None
+        body = _json_or_none(response)
         if response.status_code == 429:
+            if isinstance(body, dict) and body.get("error") == "search_quota_exceeded":
+                reset = response.headers.get("X-RateLimit-Reset")
+                raise SearchQuotaExceeded(_quota_message(reset), float(reset) if _is_number(reset) else None)
             after = response.headers.get("Retry-After")
-            raise RateLimited(f"{method} {path}: rate limited", float(after) if after and after.isdigit() else None)
+            raise RateLimited(f"{method} {path}: rate limited", float(after) if _is_number(after) else None)
         if response.status_code >= 500:
             raise Transient(f"{method} {path}: HTTP {response.status_code}")
-        try:
-            body = response.json()
-        except ValueError:
-            raise MarketError(f"{method} {path}: HTTP {response.status_code} with a body that is not JSON") from None
+        if body is None:
+            raise MarketError(f"{method} {path}: HTTP {response.status_code} with a body that is not JSON")
         if response.status_code in (401, 403):
             raise AuthError(f"the marketplace refused the API key: {_msg(body)}")
         if response.status_code >= 400:
@@ -80,7 +105,7 @@ class VastMarket:
             if error == "no_such_ask" or "no_such_ask" in msg:
                 raise OfferGone(msg)
             if error in ("no_such_instance", "not_found"):
-                raise _NotFound(msg)
+                raise NotFound(msg)
             raise BadRequest(f"{method} {path}: HTTP {response.status_code}: {msg}")
         return body
 
@@ -99,7 +124,7 @@ class VastMarket:
         }
         if query.min_gpu_ram_mb:
             body["gpu_ram"] = {"gte": float(query.min_gpu_ram_mb)}
-        answer = await self._request("POST", "/api/v0/bundles/", json=body)
+        answer = await self._request("search", "POST", "/api/v0/bundles/", json=body)
         offers = answer.get("offers") if isinstance(answer, dict) else None
         if not isinstance(offers, list):
             raise MarketError("search answered without an offers list")
@@ -115,64 +140,115 @@ class VastMarket:
             "label": spec.label,
             "env": env,
             "onstart": spec.onstart,
-            "runtype": "ssh_direc ssh_proxy",
+            "runtype": RUNTYPE,
             "price": None,
             "cancel_unavail": True,
         }
         # A create that may have been processed is never retried: a retry can buy twice.
-        answer = await self._request("PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False)
-        if not isinstance(answer, dict) or not answer.get("success") or not answer.get("new_contract"):
-            raise MarketError(f"create answered without a new instance: {answer!r}")
-        return int(answer["new_contract"])
+        answer = await self._request("create", "PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False)
+        if not isinstance(answer, dict):
+            raise MarketError(f"create answered {answer!r}")
+        contract = answer.get("new_contract")
+        if not answer.get("success") or not contract:
+            raise CreateFailed(
+                f"create answered an error: {_msg(answer)}", int(contract) if _is_number(contract) else None
+            )
+        return int(contract)
 
     async def get(self, instance_id: int) -> Instance | None:
-        answer = await self._request("GET", f"/api/v0/instances/{instance_id}/", params={"owner": "me"})
+        try:
+            answer = await self._request("show", "GET", f"/api/v0/instances/{instance_id}/", params={"owner": "me"})
+        except NotFound:
+            return None
         if not isinstance(answer, dict) or "instances" not in answer:
             raise MarketError(f"show instance {instance_id}: malformed answer")
         row = answer["instances"]
         if row is None:
             return None
-        return _instance(row)
+        return instance_from_row(row)
 
-    async def list(self, label_prefix: str) -> list[Instance]:
-        found: list[Instance] = []
+    async def _listing(self, select_filters: dict[str, Any]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
         token: str | None = None
         while True:
             params = {
-                "select_filters": json.dumps({}),
+                "select_filters": json.dumps(select_filters),
                 "order_by": json.dumps([{"col": "id", "dir": "asc"}]),
                 "limit": str(PAGE),
             }
             if token:
                 params["after_token"] = token
-            answer = await self._request("GET", "/api/v1/instances/", params=params)
-            rows = answer.get("instances") if isinstance(answer, dict) else None
-            if not isinstance(rows, list) or not answer.get("success", True):
+            answer = await self._request("list", "GET", "/api/v1/instances/", params=params)
+            page = answer.get("instances") if isinstance(answer, dict) else None
+            if not isinstance(page, list) or not answer.get("success", True):
                 raise MarketError("instance listing was malformed; refusing to read it as 'no instances'")
-            found.extend(_instance(r) for r in rows if (r.get("label") or "").startswith(label_prefix))
+            rows.extend(r for r in page if isinstance(r, dict))
             token = answer.get("next_token")
             if not token:
-                return found
+                return rows
+
+    async def list(self, label_prefix: str) -> list[Instance]:
+        rows = await self._listing({})
+        return [instance_from_row(r) for r in rows if str(r.get("label") or "").startswith(label_prefix)]
+
+    async def instances(self, ids: list[int]) -> dict[int, Instance]:
+        found: dict[int, Instance] = {}
+        for start in range(0, len(ids), PAGE):
+            chunk = sorted(ids)[start : start + PAGE]
+            for row in await self._listing({"id": {"in": chunk}}):
+                instance = instance_from_row(row)
+                found[instance.id] = instance
+        return found
 
     async def ensure_ssh_key(self, public_key: str) -> None:
-        """Register our public key on the account (vast.ai puts account keys on new instances)."""
-        answer = await self._request("GET", "/api/v0/ssh/")
+        """Register our public key on the account (vast.ai puts the account's keys on new instances only).
+        An account without keys answers the listing with 404; a deleted key stays listed, with
+        `deleted_at` set, and does not count."""
+        try:
+            answer = await self._request("ssh_keys", "GET", "/api/v0/ssh/")
+        except NotFound:
+            answer = []
         rows = answer if isinstance(answer, list) else answer.get("keys", []) if isinstance(answer, dict) else []
         wanted = public_key.split()[:2]
         for row in rows:
-            if isinstance(row, dict) and str(row.get("public_key") or row.get("key") or "").split()[:2] == wanted:
+            if not isinstance(row, dict) or row.get("deleted_at"):
+                continue
+            if str(row.get("public_key") or row.get("key") or "").split()[:2] == wanted:
                 return
-        await self._request("POST", "/api/v0/ssh/", json={"ssh_key": public_key})
+        await self._request("ssh_key_create", "POST", "/api/v0/ssh/", json={"ssh_key": public_key})
 
     async def destroy(self, instance_id: int) -> None:
         try:
-            await self._request("DELETE", f"/api/v0/instances/{instance_id}/", json={})
-        except _NotFound:
+            await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
+        except NotFound:
             return
 
 
-class _NotFound(MarketError):
+class NotFound(MarketError):
     pass
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _quota_message(reset: str | None) -> str:
+    message = "vast.ai's daily search quota is used up (it resets at 00:00 UTC"
+    if _is_number(reset):
+        left = max(float(reset or 0) - time.time(), 0)
+        message += f", in {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+    return message + "); searches are not retried until then"
 
 
 def _msg(body: Any) -> str:
@@ -181,12 +257,13 @@ def _msg(body: Any) -> str:
     return str(body)
 
 
-def _instance(row: dict[str, Any]) -> Instance:
+def instance_from_row(row: dict[str, Any]) -> Instance:
+    """An instance row as show and list answer it; MarketError when a field we act on is malformed."""
     try:
-        ports: dict[int, tuple[str, int]] = {}
+        ports: dict[int, int] = {}
         for key, mappings in (row.get("ports") or {}).items():
             if mappings:
-                ports[int(key.split("/")[0])] = (str(mappings[0]["HostIp"]), int(mappings[0]["HostPort"]))
+                ports[int(str(key).split("/")[0])] = int(mappings[0]["HostPort"])
         return Instance(
             id=int(row["id"]),
             status=row.get("actual_status"),
@@ -201,5 +278,5 @@ def _instance(row: dict[str, Any]) -> Instance:
             start_date=float(row["start_date"]) if row.get("start_date") else None,
             raw=row,
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise MarketError(f"malformed instance row {row.get('id')!r}: {e}") from None
