@@ -19,13 +19,14 @@ SERVICE_PORT = 18080
 
 
 async def polite(api: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
-    """A request that waits out vast.ai's rate limits (429: Retry-After, else a pause) like a good client."""
-    for _ in range(30):
+    """A request that waits out vast.ai's rate limits like a good client: after a 429, its Retry-After, else
+    the endpoint's interval (create: its 12 s penalty, which a retry inside it would only renew)."""
+    for _ in range(20):
         r = await api.request(method, path, **kw)
         if r.status_code != 429:
             return r
         after = r.headers.get("Retry-After")
-        await asyncio.sleep(float(after) if after else 1.5)
+        await asyncio.sleep(float(after) + 0.05 if after else 12.2 if "/asks/" in path else 3.2)
     raise AssertionError(f"{method} {path}: still rate limited")
 
 

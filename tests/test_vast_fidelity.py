@@ -3,6 +3,7 @@ rate limits, read lag, boot phases, heartbeat gaps, NAT'd ports, SSH as the plat
 money. Each test here is a row of that ledger, seen through the raw API."""
 
 import asyncio
+import re
 import time
 
 import asyncssh
@@ -100,16 +101,20 @@ async def test_search_is_ten_a_minute_per_address_then_a_daily_quota(fresh_cloud
 
 
 async def test_reads_lag_create_and_gone_reads_as_null_or_404(cloud, api, offers):
-    ids = [await rent(api, offer["id"], label="fleet:lag") for offer in offers[:2]]
-    assert {i % 2 for i in ids} == {0, 1}  # consecutive ids: one of each form below
-    for instance_id in ids:  # not yet visible: null or 404, as for an instance that is gone
-        assert await shown(api, instance_id) is None
-    assert not {i["id"] for i in await listed_instances(api)} & set(ids)
-    await asyncio.sleep(3.2 - (time.time() - cloud.state()["instances"][str(ids[-1])]["created_at"]))
-    assert {i["id"] for i in await listed_instances(api)} >= set(ids)
-    for instance_id in ids:
-        assert (await shown(api, instance_id))["id"] == instance_id
-        await destroy(api, instance_id)
+    ids = []
+    try:
+        for offer in offers[:2]:  # consecutive ids: one odd, one even, for both forms of "not there"
+            ids.append(await rent(api, offer["id"], label="fleet:lag"))
+            assert await shown(api, ids[-1]) is None  # not yet visible: null or 404, as if gone
+            assert ids[-1] not in {i["id"] for i in await listed_instances(api)}
+        assert {i % 2 for i in ids} == {0, 1}
+        await asyncio.sleep(3.2 - (time.time() - cloud.state()["instances"][str(ids[-1])]["created_at"]))
+        assert {i["id"] for i in await listed_instances(api)} >= set(ids)
+        for instance_id in ids:
+            assert (await shown(api, instance_id))["id"] == instance_id
+    finally:
+        for instance_id in ids:
+            await destroy(api, instance_id)
     forms = []
     for instance_id in ids:
         r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
@@ -120,17 +125,19 @@ async def test_reads_lag_create_and_gone_reads_as_null_or_404(cloud, api, offers
 async def test_boot_passes_scheduling_created_loading_with_messages(cloud, api, offers):
     instance_id = await rent(api, offers[0]["id"])
     seen: list[tuple] = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        row = cloud.state()["instances"][str(instance_id)]
-        if not seen or seen[-1] != (row["status"], row["status_msg"]):
-            seen.append((row["status"], row["status_msg"]))
-        if row["status"] == "running":
-            break
-        await asyncio.sleep(0.01)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            row = cloud.state()["instances"][str(instance_id)]
+            if not seen or seen[-1] != (row["status"], row["status_msg"]):
+                seen.append((row["status"], row["status_msg"]))
+            if row["status"] == "running":
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await destroy(api, instance_id)
     assert [s for s, _ in seen] == [None, "scheduling", "created", "loading", "running"]
     assert all(msg for status, msg in seen if status)
-    await destroy(api, instance_id)
 
 
 async def test_a_container_that_cannot_start_stays_created_saying_why(cloud, api, offers):
@@ -252,16 +259,17 @@ async def test_money_an_instance_may_cost_other_than_its_offer_and_an_error_may_
         api, "PUT", f"/api/v0/asks/{second['id']}/", json={"image": "x", "disk": 10, "label": "fleet:hidden"}
     )
     body = answer.json()
-    assert answer.status_code == 200 and body["success"] is False and body["new_contract"]
-    await asyncio.sleep(3.2)
     try:
+        assert answer.status_code == 200 and body["success"] is False and body["new_contract"]
+        await asyncio.sleep(3.2)
         row = await shown(api, repriced)
         assert row["dph_total"] > offer["dph_total"] * 1.1
         hidden = await shown(api, body["new_contract"])
         assert hidden is not None and hidden["label"] == "fleet:hidden"  # the error made a contract all the same
     finally:
         await destroy(api, repriced)
-        await destroy(api, body["new_contract"])
+        if body.get("new_contract"):
+            await destroy(api, body["new_contract"])
 
 
 async def ssh_when_keys_arrive(row: dict, key) -> asyncssh.SSHClientConnection:
@@ -287,12 +295,12 @@ async def wait_for_file(conn: asyncssh.SSHClientConnection, path: str) -> None:
 async def interactive_tmux(conn: asyncssh.SSHClientConnection) -> bool:
     """Open an interactive login (a PTY, no command) and ask whether it runs inside tmux."""
     process = await conn.create_process(term_type="xterm", term_size=(120, 40))
-    process.stdin.write('echo "TMUX=[${TMUX:+yes}]"; exit\n')
+    process.stdin.write('echo "TMUX=[${TMUX:+yes}]"; exit\n')  # the terminal echoes this line as typed, too
     output = ""
     try:
         async with asyncio.timeout(10):
-            while "TMUX=[" not in output or "]" not in output.split("TMUX=[", 1)[1]:
+            while not (answer := re.search(r"TMUX=\[(yes)?\]", output)):
                 output += await process.stdout.read(4096)
     finally:
         process.close()
-    return output.split("TMUX=[", 1)[1].startswith("yes")
+    return answer.group(1) == "yes"
