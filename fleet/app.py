@@ -32,6 +32,6 @@ async def open_fleet(settings: config.Settings, reporter: Reporter | None = None
     try:
         yield fleet
     finally:
-        await fleet.watch.close()
+        await fleet.close()
         await market.close()
         engine.dispose()

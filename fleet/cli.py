@@ -22,15 +22,12 @@ from rich.table import Table
 
 from fleet import config, rotation
 from fleet.app import open_fleet
-from fleet.ggufhead import GgufError
+from fleet.errors import BadInput, FleetError
 from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
-from fleet.market import MarketError
 from fleet.offers import effective_price_per_hour
 from fleet.plan import GIB
 from fleet.probes.runner import PROBES
-from fleet.probes.stream import StreamError
-from fleet.remote import RemoteError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
@@ -49,6 +46,13 @@ StateDir = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def one_line(error: FleetError) -> str:
+    """A fleet error as the one line a user reads: its area (marketplace, plan, ...) or its kind, then why."""
+    if error.prefix:
+        return f"{error.prefix}: {error}"
+    return str(error) if isinstance(error, BadInput) else f"{type(error).__name__}: {error}"
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -80,15 +84,9 @@ def run_async(make: Callable[[], Awaitable[T]]) -> T:
     """Run one library call; map its errors to one-line messages and exit codes."""
     try:
         return asyncio.run(make())  # type: ignore[arg-type]
-    except config.ConfigError as e:
-        fail(str(e), 2)
-    except control.CloudControlError as e:
-        fail(f"local cloud: {e}")
-    except MarketError as e:
-        fail(f"marketplace: {e}")
-    except GgufError as e:
-        fail(f"plan: {e}")
-    except (RemoteError, StreamError, httpx.HTTPError, OSError) as e:
+    except FleetError as e:
+        fail(one_line(e), e.exit_code)
+    except (httpx.HTTPError, OSError) as e:
         fail(f"{type(e).__name__}: {e}")
     except KeyboardInterrupt:
         fail("interrupted (what was being created has been destroyed)", 130)
@@ -429,21 +427,32 @@ def destroy_cmd(
             except KeyError as e:
                 fail(str(e.args[0]), 2)
 
-    done = run_async(go)
+    report = run_async(go)
+    rows = [
+        {"name": h.name, "instance_id": h.instance_id, "state": h.state, "accrued_usd": h.accrued_usd}
+        for h in report.done
+    ] + [
+        {"name": h.name, "instance_id": h.instance_id, "state": h.state, "left_to": h.owner, "until": h.lease_until}
+        for h in report.busy
+    ]
     if json_output:
-        print_json(
-            [
-                {"name": h.name, "instance_id": h.instance_id, "state": h.state, "accrued_usd": h.accrued_usd}
-                for h in done
-            ]
-        )
-        return
-    for h in done:
-        out.print(
-            f"{h.name}: {h.state} (instance {h.instance_id or '-'}, cost ${h.accrued_usd or 0:.4f})", highlight=False
-        )
-    if not done:
-        out.print("nothing to destroy")
+        print_json(rows)
+    else:
+        for h in report.done:
+            out.print(
+                f"{h.name}: {h.state} (instance {h.instance_id or '-'}, cost ${h.accrued_usd or 0:.4f})",
+                highlight=False,
+            )
+        for h in report.busy:
+            out.print(
+                f"{h.name}: left alone: {h.state} under another fleet process ({h.owner}) until "
+                f"{h.lease_until:%H:%M:%S} UTC; run again once it is done",
+                highlight=False,
+            )
+        if not rows:
+            out.print("nothing to destroy")
+    if report.busy:
+        raise typer.Exit(1)
 
 
 @app.command("probe")
@@ -652,8 +661,9 @@ def reconcile_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None)
         return
     out.print(
         f"checked {report['checked']} hosts; gone: {len(report['gone'])}; failed and destroyed: "
-        f"{len(report['failed'])}; adopted: {len(report['adopted'])}; strays destroyed: "
-        f"{len(report['strays_destroyed'])}",
+        f"{len(report['failed'])}; destroys finished: {len(report['destroyed'])}; adopted: {len(report['adopted'])};"
+        f" strays destroyed: {len(report['strays_destroyed'])}; left to their owners: {len(report['busy'])};"
+        f" not yet listed: {len(report['waiting'])}",
         highlight=False,
     )
 

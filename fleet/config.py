@@ -10,12 +10,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleet.errors import BadInput
+
 DEFAULT_CONFIG = "fleet.toml"
 LOCAL = "local"
 HUGGING_FACE = "https://huggingface.co"
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A config problem: one line that names the file and the key."""
 
 
@@ -103,6 +105,9 @@ class Up(Strict):
     max_attempts: Annotated[int, Field(ge=1, le=50)] = 5
     pull_connections: Annotated[int, Field(ge=1, le=16)] = 8
     blacklist_hours: Annotated[float, Field(ge=0)] = 72
+    # A process working on a host (bringing it up, draining, destroying) holds it for this long and renews
+    # it every third of it; housekeeping in other processes leaves it alone until it runs out.
+    lease_s: Annotated[float, Field(ge=3, le=3600)] = 60
 
 
 class Traffic(Strict):

@@ -33,13 +33,14 @@ from sqlmodel import select
 
 from fleet import config, db, rotation
 from fleet.app import open_fleet
+from fleet.errors import FleetError
 from fleet.lifecycle import Fleet, accrued_usd
 from fleet.models import LIVE_STATES, Event, HostState, ProbeRun
 
 log = logging.getLogger("fleet.daemon")
 
 
-class DaemonRunning(RuntimeError):
+class DaemonRunning(FleetError, RuntimeError):
     """Another daemon holds this database."""
 
 

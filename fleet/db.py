@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import datetime
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event, text
+from sqlalchemy import event, or_, text
 from sqlalchemy import update as sql_update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
+from fleet.errors import FleetError
 from fleet.market import Offer
-from fleet.models import Attempt, Blacklist, Event, Host, JobRun, OfferSeen, ProbeRun, utcnow
+from fleet.models import Attempt, Blacklist, Event, Host, HostState, JobRun, OfferSeen, ProbeRun, sources_of, utcnow
+from fleet.ownership import owner_is_dead, process_owner
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_MS = 10_000
@@ -49,9 +52,11 @@ def make_engine(target: Path | str) -> Engine:
     # failed half-way would stay half-applied. Let SQLAlchemy say BEGIN itself instead.
     engine = create_engine(sqlite_url(path), connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "isolation_level": None})
 
+    # BEGIN IMMEDIATE: a transaction takes the write lock when it starts, so two processes queue on the busy
+    # timeout instead of one failing at once with "database is locked" when it turns a read into a write.
     @event.listens_for(engine, "begin")
     def _begin(conn) -> None:  # type: ignore[no-untyped-def]
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +110,11 @@ def session(engine: Engine) -> Session:
 
 
 ADVISORY_BASE = 0x666C6565 << 20  # "flee": keeps fleet's advisory keys apart from other users of the database
-_held_hosts: set[int] = set()
+CAPS_LOCK = ADVISORY_BASE  # PostgreSQL: held while one process checks the caps and writes its intent
+
+
+class CapReached(FleetError):
+    """A cap in fleet.toml forbids another create."""
 
 
 class Record:
@@ -168,6 +177,106 @@ class Record:
         with session(self.engine) as s:
             return s.get(Host, host_id)
 
+    def open_hosts(self) -> list[Host]:
+        """Every host whose bill is open: the marketplace has not confirmed its instance gone."""
+        with session(self.engine) as s:
+            return list(s.exec(select(Host).where(col(Host.destroyed_at).is_(None)).order_by(Host.id)))
+
+    # ---- ownership and transitions ---------------------------------------------------------------
+    def claim(self, host: Host, lease_s: float, owner: str | None = None) -> bool:
+        """Take the host for `owner` (this process) for `lease_s`: when nobody holds it, its lease ran out,
+        `owner` holds it already, or its owner is a dead process of this machine. False: someone else works
+        on it now."""
+        owner = owner or process_owner()
+        now = utcnow()
+        values = {"owner": owner, "lease_until": now + timedelta(seconds=lease_s)}
+        free = or_(col(Host.owner).is_(None), Host.owner == owner, col(Host.lease_until) < now)
+        taken = self._cas(host, values, free)
+        if not taken:
+            current = self.host(host.id) if host.id is not None else None
+            if current is not None and current.owner and owner_is_dead(current.owner):
+                taken = self._cas(host, values, Host.owner == current.owner)
+        if taken:
+            host.owner, host.lease_until = values["owner"], values["lease_until"]
+        return taken
+
+    def renew(self, lease_s: float, owner: str | None = None) -> int:
+        """Extend every lease `owner` holds on an open host; how many."""
+        with session(self.engine) as s:
+            result = s.execute(
+                sql_update(Host)
+                .where(Host.owner == (owner or process_owner()), col(Host.destroyed_at).is_(None))
+                .values(lease_until=utcnow() + timedelta(seconds=lease_s))
+            )
+            s.commit()
+            return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+    def release(self, host: Host, owner: str | None = None) -> None:
+        if self._cas(host, {"owner": None, "lease_until": None}, Host.owner == (owner or process_owner())):
+            host.owner, host.lease_until = None, None
+
+    def transition(self, host: Host, to: HostState, **changes: object) -> bool:
+        """Move the host to `to`, compare-and-set: only from a state TRANSITIONS allows and only while the bill
+        is open. False (nothing written) when another process moved it first."""
+        applied = self._cas(
+            host,
+            {"state": to, **changes},
+            col(Host.state).in_(sources_of(to)),
+            col(Host.destroyed_at).is_(None),
+        )
+        if applied:
+            host.state = to
+            for key, value in changes.items():
+                setattr(host, key, value)
+        return applied
+
+    def close(self, host: Host, final_state: HostState, accrued_usd: float, **changes: object) -> bool:
+        """Close the host's bill, once: the marketplace confirmed its instance gone (or it never had one)."""
+        now = utcnow()
+        values = {
+            "state": final_state,
+            "destroyed_at": now,
+            "accrued_usd": accrued_usd,
+            "owner": None,
+            "lease_until": None,
+            **changes,
+        }
+        applied = self._cas(host, values, col(Host.destroyed_at).is_(None))
+        if applied:
+            for key, value in values.items():
+                setattr(host, key, value)
+        return applied
+
+    def _cas(self, host: Host, values: dict[str, object], *conditions: Any) -> bool:
+        with session(self.engine) as s:
+            result = s.execute(sql_update(Host).where(Host.id == host.id, *conditions).values(**values))
+            s.commit()
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def reserve(self, host: Host, attempt: Attempt, check: Callable[[list[Host]], None]) -> None:
+        """Write the intent (the host row, its attempt, an event) after `check` passed on the open hosts, in one
+        transaction that no other process can interleave: SQLite's BEGIN IMMEDIATE, a PostgreSQL advisory
+        lock. `check` raises CapReached to refuse; then nothing is written."""
+        with session(self.engine) as s:
+            if is_postgres(self.engine):
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": CAPS_LOCK})
+            open_hosts = list(s.exec(select(Host).where(col(Host.destroyed_at).is_(None))))
+            check(open_hosts)
+            s.add(host)
+            s.flush()
+            attempt.host_id = host.id
+            s.add(attempt)
+            s.add(
+                Event(
+                    kind="intent",
+                    action="create",
+                    detail=json.dumps({"offer_id": host.offer_id, "label": host.label}),
+                    host_id=host.id,
+                )
+            )
+            s.commit()
+            s.refresh(host)
+
     def blacklisted_machines(self, provider_url: str, now: datetime) -> set[int]:
         with session(self.engine) as s:
             q = select(Blacklist.machine_id).where(Blacklist.provider_url == provider_url, Blacklist.expires_at > now)
@@ -201,31 +310,6 @@ class Record:
         except IntegrityError:
             return False
         return True
-
-    @contextmanager
-    def host_lock(self, host_id: int) -> Iterator[bool]:
-        """Hold the right to act on one host; yields False when someone else holds it.
-
-        PostgreSQL: a session advisory lock, so two daemons never act on one host at once. SQLite has
-        one daemon per database, so the lock only guards against this process acting twice.
-        """
-        if host_id in _held_hosts:
-            yield False
-            return
-        _held_hosts.add(host_id)
-        try:
-            if not is_postgres(self.engine):
-                yield True
-                return
-            with self.engine.connect() as conn:
-                got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": ADVISORY_BASE + host_id}).scalar()
-                try:
-                    yield bool(got)
-                finally:
-                    if got:
-                        conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": ADVISORY_BASE + host_id})
-        finally:
-            _held_hosts.discard(host_id)
 
     def blacklist(self) -> list[Blacklist]:
         with session(self.engine) as s:

@@ -17,13 +17,17 @@ from typing import Any
 import gguf
 import httpx
 
+from fleet.errors import FleetError
+
 FIRST_RANGE = 256 * 1024
 MAX_HEADER = 128 * 1024 * 1024
 MAGIC = b"GGUF"
 
 
-class GgufError(ValueError):
+class GgufError(FleetError, ValueError):
     """Not a GGUF header we can read: the message says why, in one line."""
+
+    prefix = "plan"
 
 
 class _NeedMore(Exception):

@@ -16,13 +16,14 @@ import asyncssh
 import httpx
 
 from fleet.config import Profile
+from fleet.errors import FleetError
 from fleet.remote import RemoteError, run, run_streaming
 
 RUN_DIR = "fleet-run"  # on the host, beside the models: the API key file, the server's PID and log
 MODELS_DIR = "models"
 
 
-class PhaseFailed(Exception):
+class PhaseFailed(FleetError):
     """A phase of a bring-up failed: destroy the instance and try the next offer. `blacklist`: the machine
     is to blame (not the marketplace's answer), so it is not tried again for a while."""
 

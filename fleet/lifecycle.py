@@ -1,9 +1,11 @@
-"""The per-host state machine: rent, boot, connect, pull, start, probe; destroy; reconcile.
+"""The Fleet: offers, plans, `up` (N bring-ups at once, fleet/bringup.py's phases each), destroy, status.
 
 Every call that creates or destroys is recorded as an intent before it is made and as an answer
-after, so a process killed at any point leaves a record that `reconcile` can finish: nothing
-orphaned, nothing bought twice. A host that fails a phase is destroyed, its machine blacklisted,
-and the next offer is tried.
+after, so a process killed at any point leaves a record that `reconcile` (fleet/reconcile.py) can
+finish: nothing orphaned, nothing bought twice. A host that fails a phase is destroyed, its machine
+blacklisted, and the next offer is tried. A host being worked on is owned by this process (a lease it
+renews); other processes' housekeeping leaves it alone. A bill is closed only when the marketplace
+confirms the instance gone.
 """
 
 from __future__ import annotations
@@ -13,42 +15,39 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import asyncssh
 import httpx
 
-from fleet import ggufhead, hostops
+from fleet import failpoints, ggufhead
 from fleet import offers as offer_rules
+from fleet.bringup import SERVICE_PORT, BringUp
 from fleet.config import Profile, Settings
-from fleet.db import Record
+from fleet.db import CapReached, Record
+from fleet.errors import FleetError
 from fleet.ggufhead import GgufHeader
 from fleet.hostops import PhaseFailed
-from fleet.market import FAILED, HEARTBEAT_LOST, CreateFailed, Instance, InstanceSpec, MarketError, Offer, OfferGone
+from fleet.market import MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.ownership import process_owner
 from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, run_bench
 from fleet.probes.call import load_call
 from fleet.probes.runner import PROBES, run_probes
-from fleet.probes.stream import StreamError
-from fleet.remote import RemoteError, SshKey, connect
+from fleet.remote import SshKey, connect
 
 LABEL_PREFIX = "fleet:"
-# llama-server's port inside the host. An ordinary port: vast.ai maps it to a random external port on the
-# public IP and lists that in the instance's `ports` (an identity port above 70000 is never listed there).
-SERVICE_PORT = 18080
-
-
-class CapReached(Exception):
-    """A cap in fleet.toml forbids another create."""
+T = TypeVar("T")
+__all__ = ["LABEL_PREFIX", "SERVICE_PORT", "CapReached", "Fleet", "UpRequest"]
 
 
 class Reporter(Protocol):
@@ -72,6 +71,8 @@ class UpRequest:
     count: int = 1
     max_price: float | None = None
     dry_run: bool = False
+    # only offers whose effective $/h (price plus the profile's traffic) stays under this (a reprice's bound)
+    max_effective_price: float | None = None
 
 
 @dataclass
@@ -164,8 +165,28 @@ class Fleet:
         self.reporter = reporter or QuietReporter()
         self.waits = Waits()
         self.watch = InstanceWatch(market, settings.provider.poll_max_interval_s)
-        self._create_lock = asyncio.Lock()
         self._headers: dict[str, GgufHeader] = {}
+        self._leases: asyncio.Task | None = None
+
+    # ---- ownership ----------------------------------------------------------------------------
+    def claim(self, host: Host) -> bool:
+        """Own the host (fleet/ownership.py) and keep its lease renewed while this Fleet runs."""
+        if not self.record.claim(host, self.settings.up.lease_s):
+            return False
+        if self._leases is None or self._leases.done():
+            self._leases = asyncio.get_running_loop().create_task(self._renew_leases(), name="leases")
+        return True
+
+    async def _renew_leases(self) -> None:
+        lease_s = self.settings.up.lease_s
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            self.record.renew(lease_s)
+
+    async def close(self) -> None:
+        if self._leases is not None:
+            self._leases.cancel()
+        await self.watch.close()
 
     # ---- offers ---------------------------------------------------------------------------
     # ---- plan ---------------------------------------------------------------------------
@@ -259,10 +280,23 @@ class Fleet:
             return result
         async with self.waits.on("market"):
             await self.market.ensure_ssh_key(self.ssh_key.public)
-        picker = OfferPicker(funnel.passed, set())
-        outcomes = await asyncio.gather(
-            *(self._bring_up_one(run_id, profile, request, picker, result) for _ in range(request.count))
-        )
+        ranked = funnel.passed
+        if request.max_effective_price is not None:
+            cap = request.max_effective_price
+            ranked = [o for o in ranked if offer_rules.effective_price_per_hour(o, profile) <= cap]
+        picker = OfferPicker(ranked, set())
+        tasks = [
+            asyncio.get_running_loop().create_task(self._bring_up_one(run_id, profile, request, picker, result))
+            for _ in range(request.count)
+        ]
+        try:
+            outcomes = await asyncio.gather(*tasks)
+        except BaseException:
+            # Interrupted: every sibling destroys what it created before this returns (and the market closes).
+            for task in tasks:
+                task.cancel()
+            await _to_the_end(asyncio.gather(*tasks, return_exceptions=True))
+            raise
         for outcome in outcomes:
             if isinstance(outcome, Host):
                 result.ready.append(outcome)
@@ -298,23 +332,29 @@ class Fleet:
             )
             result.attempts.append(report)
             try:
-                await self._attempt(host, profile, offer)
+                await BringUp(self, host, profile, offer).run()
+                self._end_attempt(host, None, None)
+                self.publish_endpoints()
+                self.reporter.info(host.name, f"READY at {host.api_url} (${host.dph_total:.4f}/h)")
                 report.seconds = time.monotonic() - started
                 return host
             except OfferGone as e:
                 picker.release(offer)
                 report.outcome, report.phase, report.reason = "failed", "create", f"offer gone: {e}"
-                self._end_attempt(host, "create", report.reason, state=HostState.DESTROYED)
+                self._end_attempt(host, "create", report.reason)
+                self.record.close(host, HostState.DESTROYED, 0.0, failed_phase="create", failure_reason=report.reason)
             except PhaseFailed as e:
                 report.outcome, report.phase, report.reason = "failed", e.phase, e.reason
-                await self._fail(host, e.phase, e.reason, blacklist=e.blacklist)
-            except (MarketError, RemoteError, OSError, asyncssh.Error, httpx.HTTPError) as e:
+                if not await self._contained_fail(host, e.phase, e.reason, e.blacklist):
+                    report.seconds = time.monotonic() - started
+                    return f"stopped: the instance of {host.name} could not be destroyed; `fleet reconcile` will"
+            except Exception as e:  # anything else: this host's instance goes, its siblings carry on
                 report.outcome, report.phase, report.reason = "failed", host.state, f"{type(e).__name__}: {e}"
-                await self._fail(host, host.state, report.reason, blacklist=False)
+                await self._contained_fail(host, host.state, report.reason, False)
                 report.seconds = time.monotonic() - started
                 return f"stopped after an unexpected error: {report.reason}"
             except BaseException:
-                await asyncio.shield(self._fail(host, host.state, "interrupted", blacklist=False))
+                await _to_the_end(self._contained_fail(host, host.state, "interrupted", False))
                 raise
             report.seconds = time.monotonic() - started
             last_reason = report.reason or last_reason
@@ -322,14 +362,17 @@ class Fleet:
         return f"gave up after {self.settings.up.max_attempts} attempts (last: {last_reason})"
 
     async def _intent_to_create(self, run_id: str, profile: Profile, request: UpRequest, offer: Offer) -> Host:
-        """Check the caps and write the host row before the create call, under one lock."""
-        async with self._create_lock:
-            live = self.record.hosts(states=LIVE_STATES)
-            caps = self.settings.caps
-            same_model = [h for h in live if h.model == profile.name]
-            spend = sum(h.dph_total for h in live)
-            if len(live) + 1 > caps.max_hosts_total:
-                raise CapReached(f"cap reached: {len(live)} live hosts, caps.max_hosts_total = {caps.max_hosts_total}")
+        """Check the caps and write the host row (owned by this process) before the create call, in one
+        transaction no other process can interleave (Record.reserve)."""
+        caps = self.settings.caps
+
+        def check(open_hosts: list[Host]) -> None:
+            same_model = [h for h in open_hosts if h.model == profile.name]
+            spend = sum(h.dph_total for h in open_hosts)
+            if len(open_hosts) + 1 > caps.max_hosts_total:
+                raise CapReached(
+                    f"cap reached: {len(open_hosts)} live hosts, caps.max_hosts_total = {caps.max_hosts_total}"
+                )
             if len(same_model) + 1 > caps.max_hosts_per_model:
                 raise CapReached(
                     f"cap reached: {len(same_model)} live {profile.name} hosts, "
@@ -340,123 +383,42 @@ class Fleet:
                     f"cap reached: ${spend:.3f}/h live + ${offer.dph_total:.3f}/h would exceed "
                     f"caps.max_usd_per_hour = {caps.max_usd_per_hour}"
                 )
-            name = f"{profile.name}-{request.region}-{secrets.token_hex(3)}"
-            host = Host(
-                name=name,
-                run_id=run_id,
-                model=profile.name,
-                region=request.region,
-                state=HostState.CREATING,
-                provider_url=self.market.url,
-                label=f"{LABEL_PREFIX}{name}",
-                offer_id=offer.id,
-                machine_id=offer.machine_id,
-                gpu_name=offer.gpu_name,
-                num_gpus=offer.num_gpus,
-                gpu_ram_mb=offer.gpu_ram_mb,
-                geolocation=offer.geolocation,
-                dph_total=offer.dph_total,
-                inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
-                inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
-                effective_usd_per_hour=offer_rules.effective_price_per_hour(offer, profile),
-                slots=profile.slots,
-            )
-            self.record.add(host)
-            self.record.add(
-                Attempt(
-                    run_id=run_id,
-                    host_id=host.id,
-                    model=profile.name,
-                    offer_id=offer.id,
-                    machine_id=offer.machine_id,
-                    dph_total=offer.dph_total,
-                    inet_usd_per_gb=max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
-                )
-            )
-            self.record.event("intent", "create", json.dumps({"offer_id": offer.id, "label": host.label}), host.id)
-            return host
 
-    async def _attempt(self, host: Host, profile: Profile, offer: Offer) -> None:
-        spec = InstanceSpec(
-            image=self.settings.provider.image, disk_gb=profile.disk_gb, label=host.label, env={}, ports=[SERVICE_PORT]
+        name = f"{profile.name}-{request.region}-{secrets.token_hex(3)}"
+        host = Host(
+            name=name,
+            run_id=run_id,
+            model=profile.name,
+            region=request.region,
+            state=HostState.CREATING,
+            provider_url=self.market.url,
+            label=f"{LABEL_PREFIX}{name}",
+            offer_id=offer.id,
+            machine_id=offer.machine_id,
+            gpu_name=offer.gpu_name,
+            num_gpus=offer.num_gpus,
+            gpu_ram_mb=offer.gpu_ram_mb,
+            geolocation=offer.geolocation,
+            dph_total=offer.dph_total,
+            inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
+            inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
+            effective_usd_per_hour=offer_rules.effective_price_per_hour(offer, profile),
+            slots=profile.slots,
+            owner=process_owner(),
+            lease_until=utcnow() + timedelta(seconds=self.settings.up.lease_s),
         )
-        self.reporter.info(
-            host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
+        attempt = Attempt(
+            run_id=run_id,
+            model=profile.name,
+            offer_id=offer.id,
+            machine_id=offer.machine_id,
+            dph_total=offer.dph_total,
+            inet_usd_per_gb=max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
         )
-        try:
-            async with self.waits.on("market"):
-                instance_id = await self.market.create(offer.id, spec)
-        except OfferGone:
-            self.record.event("answer", "create", "offer gone", host.id)
-            raise
-        except CreateFailed as e:
-            # vast.ai may have made the contract despite the error: destroy what it names, or what carries
-            # our label once its reads catch up. The machine did nothing wrong: next offer, no blacklist.
-            detail = json.dumps({"error": str(e), "new_contract": e.new_contract})
-            self.record.event("answer", "create", detail, host.id)
-            if e.new_contract is not None:
-                self.record.update(host, instance_id=e.new_contract)
-                await self._destroy_instance(host, final_state=HostState.FAILED)
-            else:
-                await self._destroy_strays_of(host)
-            raise PhaseFailed("create", str(e), blacklist=False) from None
-        except MarketError as e:
-            # The create may have been processed: look for our label, so nothing is left billing.
-            self.record.event("answer", "create", f"error: {e}", host.id)
-            await self._destroy_strays_of(host)
-            raise
-        self.record.update(host, instance_id=instance_id, state=HostState.BOOTING)
-        self.record.event("answer", "create", json.dumps({"instance_id": instance_id}), host.id)
-        self.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
-
-        timeouts = self.settings.timeouts
-        instance = await self._wait_running(host)
-        self.record.update(host, running_at=utcnow(), state=HostState.CONNECTING)
-        endpoint = instance.ssh_endpoint()
-        service = instance.service_endpoint(SERVICE_PORT)
-        if endpoint is None or service is None:
-            raise PhaseFailed("boot", f"running without an SSH endpoint or a mapping of port {SERVICE_PORT}")
-        try:
-            async with self.waits.on("ssh"):
-                conn, host_key = await connect(endpoint[0], endpoint[1], self.ssh_key, None, timeouts.ssh)
-        except RemoteError as e:
-            raise PhaseFailed("connect", str(e)) from None
-        async with conn:
-            self.record.update(
-                host,
-                ssh_host=endpoint[0],
-                ssh_port=endpoint[1],
-                host_key=host_key,
-                connected_at=utcnow(),
-                state=HostState.PULLING,
-            )
-            self.reporter.info(host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); pulling weights")
-            async with self.waits.on("pull"):
-                files = await hostops.pull_files(
-                    conn,
-                    profile,
-                    self.hub_url,
-                    os.environ.get(self.settings.hub.token_env, ""),
-                    self.settings.up.pull_connections,
-                    timeouts.pull,
-                    lambda name, done, total: self.reporter.progress(host.name, name, done, total),
-                )
-            self.record.update(host, pulled_at=utcnow(), state=HostState.STARTING)
-            api_key = secrets.token_urlsafe(32)
-            api_url = f"http://{service[0]}:{service[1]}"
-            async with self.waits.on("server"):
-                await hostops.start_server(conn, profile, SERVICE_PORT, files, api_key, api_url, timeouts.load)
-            self.record.update(host, api_url=api_url, api_key=api_key, started_at=utcnow(), state=HostState.PROBING)
-            names = list(profile.probes.on_up)
-            self.reporter.info(host.name, f"llama-server up at {api_url}; probing: {', '.join(names)}")
-            results = await self._probe(host, profile, names, conn, timeouts.probes)
-        failed = [r for r in results if not r.passed]
-        if failed:
-            raise PhaseFailed("probes", "; ".join(f"{r.name}: {r.diagnosis}" for r in failed))
-        self.record.update(host, ready_at=utcnow(), state=HostState.READY)
-        self._end_attempt(host, None, None, state=HostState.READY)
-        self.publish_endpoints()
-        self.reporter.info(host.name, f"READY at {api_url} (${host.dph_total:.4f}/h)")
+        self.record.reserve(host, attempt, check)
+        self.claim(host)  # starts the lease renewal
+        failpoints.reach("after_intent")
+        return host
 
     async def _probe(
         self,
@@ -471,7 +433,7 @@ class Fleet:
         try:
             async with asyncio.timeout(timeout_s), self.waits.on("server"):
                 results = await run_probes(names, host.api_url, host.api_key, profile, self.settings, ssh, plot_path)
-        except (TimeoutError, httpx.HTTPError, StreamError, OSError) as e:
+        except (TimeoutError, httpx.HTTPError, FleetError, OSError) as e:
             raise PhaseFailed("probes", f"probing failed: {type(e).__name__}: {e}") from None
         for result in results:
             self.record.add(
@@ -528,101 +490,37 @@ class Fleet:
             raise KeyError(f"host {name} is {host.state}, not serving")
         return host
 
-    async def _wait_running(self, host: Host) -> Instance:
-        """Wait, on the shared listing, until the instance runs with its SSH and service ports mapped.
-
-        Tolerated: not listed yet (vast.ai's reads lag create, up to timeouts.instance_visible) and a late
-        heartbeat (`offline`/`unknown`, up to timeouts.heartbeat_gap). Fails fast on a container that
-        cannot start, on a failed state, and on an instance that was listed and then is not."""
-        assert host.instance_id is not None
-        timeouts = self.settings.timeouts
-        started = time.monotonic()
-        deadline = started + timeouts.create_to_running
-        seen = False
-        lost_since: float | None = None
-        generation = 0
-        async with self.watch.watching(host.instance_id):
-            while True:
-                async with self.waits.on("market"):
-                    snapshot = await self.watch.next(generation)
-                generation = snapshot.generation
-                now = time.monotonic()
-                instance = snapshot.instances.get(host.instance_id)
-                if instance is None:
-                    if seen:
-                        raise PhaseFailed("boot", "the instance disappeared while booting")
-                    if now - started > timeouts.instance_visible:
-                        raise PhaseFailed(
-                            "boot",
-                            f"not listed {timeouts.instance_visible:g}s after create (timeouts.instance_visible)",
-                        )
-                    continue
-                if not seen:
-                    seen = True
-                    self._take_instance_price(host, instance)
-                if instance.status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
-                    return instance
-                if error := instance.boot_error():
-                    raise PhaseFailed("boot", f"the container cannot start: {error}")
-                if instance.status in FAILED:
-                    raise PhaseFailed("boot", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
-                if instance.status in HEARTBEAT_LOST:
-                    lost_since = lost_since or now
-                    if now - lost_since > timeouts.heartbeat_gap:
-                        raise PhaseFailed(
-                            "boot", f"{instance.status} for {timeouts.heartbeat_gap:g}s (timeouts.heartbeat_gap)"
-                        )
-                else:
-                    lost_since = None
-                if now >= deadline:
-                    raise PhaseFailed(
-                        "boot",
-                        f"still {instance.status or 'provisioning'} after {timeouts.create_to_running:g}s "
-                        "(timeouts.create_to_running)",
-                    )
-
-    def _take_instance_price(self, host: Host, instance: Instance) -> None:
-        """Record what the instance really costs: vast.ai's price can differ from the offer's searched one."""
-        if instance.dph_total <= 0 or abs(instance.dph_total - host.dph_total) < 1e-9:
-            return
-        self.record.event(
-            "info",
-            "price",
-            json.dumps({"offer_dph_total": host.dph_total, "instance_dph_total": instance.dph_total}),
-            host.id,
-        )
-        self.reporter.info(
-            host.name, f"the instance costs ${instance.dph_total:.4f}/h (the offer said ${host.dph_total:.4f}/h)"
-        )
-        self.record.update(
-            host,
-            dph_total=instance.dph_total,
-            effective_usd_per_hour=host.effective_usd_per_hour - host.dph_total + instance.dph_total,
-        )
-
-    def _end_attempt(self, host: Host, phase: str | None, reason: str | None, state: HostState) -> None:
+    def _end_attempt(self, host: Host, phase: str | None, reason: str | None) -> None:
         assert host.id is not None
-        self.record.close_attempt(host.id, "ready" if state == HostState.READY else "failed", phase, reason)
-        if state != HostState.READY:
-            changes: dict[str, Any] = {"state": state, "failed_phase": phase, "failure_reason": reason}
-            if state == HostState.DESTROYED:
-                changes.update(destroyed_at=utcnow(), accrued_usd=0.0)
-            self.record.update(host, **changes)
+        self.record.close_attempt(host.id, "failed" if phase else "ready", phase, reason)
+
+    async def _contained_fail(self, host: Host, phase: str, reason: str, blacklist: bool) -> bool:
+        """_fail, never raising: False when the instance could not be destroyed (the record keeps it open
+        for reconcile, an error event says why)."""
+        try:
+            await self._fail(host, phase, reason, blacklist)
+        except Exception as e:
+            self.record.event("error", "destroy", json.dumps({"error": f"{type(e).__name__}: {e}"}), host.id)
+            self.reporter.info(host.name, f"could not destroy its instance ({e}); `fleet reconcile` will finish it")
+            return False
+        return True
 
     async def _fail(self, host: Host, phase: str, reason: str, blacklist: bool) -> None:
-        """Destroy what this attempt created, blacklist the machine, record why."""
+        """The bring-up failed: record why, blacklist the machine, destroy what this attempt created. The
+        bill closes only once the marketplace confirms the instance gone; until then reconcile sees it."""
         self.record.event("error", "phase", json.dumps({"phase": phase, "reason": reason}), host.id)
-        self.record.update(host, state=HostState.FAILED, failed_phase=phase, failure_reason=reason)
+        self.record.transition(host, HostState.FAILED, failed_phase=phase, failure_reason=reason)
         if blacklist:
             self.blacklist_machine(host, phase, reason)
-        assert host.id is not None
-        self.record.close_attempt(host.id, "failed", phase, reason)
+        self._end_attempt(host, phase, reason)
         if host.destroyed_at is not None:
-            return  # already destroyed (and confirmed gone) on the way here
+            return
+        if host.instance_id is None and host.create_sent_at is not None:
+            await self._destroy_strays_of(host)  # a create whose answer we lost may have bought one
         if host.instance_id is not None:
             await self._destroy_instance(host, final_state=HostState.FAILED)
         else:
-            self.record.update(host, destroyed_at=utcnow(), accrued_usd=0.0)
+            self.record.close(host, HostState.FAILED, 0.0)
 
     def blacklist_machine(self, host: Host, phase: str, reason: str) -> None:
         self.record.add(
@@ -649,16 +547,23 @@ class Fleet:
         os.replace(tmp, path)
 
     async def _destroy_strays_of(self, host: Host) -> None:
-        """After a create whose answer we did not get: find the instance by our label and destroy it. vast.ai's
-        reads lag its create, so an empty answer is asked again until timeouts.instance_visible has passed."""
-        deadline = time.monotonic() + self.settings.timeouts.instance_visible
+        """After a create whose answer we did not get: find the instance by our label and adopt it (the caller
+        destroys it). vast.ai's reads lag its create, so an empty answer is asked again until
+        timeouts.instance_visible has passed since the request left."""
+        sent = host.create_sent_at or utcnow()
+        sent = sent if sent.tzinfo else sent.replace(tzinfo=UTC)
+        waited = (utcnow() - sent).total_seconds()
+        deadline = time.monotonic() + max(self.settings.timeouts.instance_visible - waited, 0.0)
         while True:
             async with self.waits.on("market"):
-                strays = [i for i in await self.market.list(host.label) if i.label == host.label]
-            for instance in strays:
-                self.record.update(host, instance_id=instance.id)
-                await self._destroy_instance(host, final_state=HostState.FAILED)
-            if strays or time.monotonic() >= deadline:
+                found = [i for i in await self.market.list(host.label) if i.label == host.label]
+            if found:
+                self.record.update(host, instance_id=found[0].id)
+                for extra in found[1:]:  # never expected: one intent, one create
+                    self.record.event("error", "create", json.dumps({"duplicate_instance": extra.id}), host.id)
+                    await self.market.destroy(extra.id)
+                return
+            if time.monotonic() >= deadline:
                 return
             await asyncio.sleep(2.0)
 
@@ -666,44 +571,53 @@ class Fleet:
     async def _destroy_instance(
         self, host: Host, final_state: HostState = HostState.DESTROYED, confirm_timeout_s: float = 60.0
     ) -> None:
+        """Destroy the host's instance, confirm through the marketplace that it is gone, then close its bill."""
         assert host.instance_id is not None
         self.record.event("intent", "destroy", json.dumps({"instance_id": host.instance_id}), host.id)
         if final_state == HostState.DESTROYED:
-            self.record.update(host, state=HostState.DESTROYING)
+            self.record.transition(host, HostState.DESTROYING)
         async with self.waits.on("market"):
             await self.market.destroy(host.instance_id)
+            failpoints.reach("mid_destroy")
             deadline = time.monotonic() + confirm_timeout_s
             while await self.market.get(host.instance_id) is not None:
                 if time.monotonic() > deadline:
                     raise MarketError(f"instance {host.instance_id} still listed {confirm_timeout_s:g}s after destroy")
                 await asyncio.sleep(1.0)
         now = utcnow()
-        self.record.update(host, state=final_state, destroyed_at=now, accrued_usd=accrued_usd(host, now))
+        self.record.close(host, final_state, accrued_usd(host, now))
         self.publish_endpoints()
         self.record.event("answer", "destroy", json.dumps({"instance_id": host.instance_id, "gone": True}), host.id)
-        self.reporter.info(host.name, f"instance {host.instance_id} destroyed; cost ${host.accrued_usd:.4f}")
+        self.reporter.info(host.name, f"instance {host.instance_id} destroyed; cost ${host.accrued_usd or 0:.4f}")
 
-    async def destroy(self, names: list[str] | None) -> list[Host]:
-        """Destroy the named hosts (None: every live host). Idempotent; confirms each is gone."""
+    async def destroy(self, names: list[str] | None) -> DestroyReport:
+        """Destroy the named hosts (None: every host whose bill is open). Idempotent; confirms each is gone.
+        A host another live process is working on (a bring-up, a drain) is left to it and reported."""
         if names is None:
-            targets = self.record.hosts(states=(*LIVE_STATES, HostState.FAILED))
-            targets = [h for h in targets if h.destroyed_at is None]
+            targets = self.record.open_hosts()
         else:
             targets = self.record.hosts(names=names)
             unknown = sorted(set(names) - {h.name for h in targets})
             if unknown:
                 raise KeyError(f"no such host: {', '.join(unknown)}")
-        done = []
+        report = DestroyReport()
         for host in targets:
-            if host.destroyed_at is not None or host.instance_id is None:
-                if host.destroyed_at is None:
-                    self.record.update(host, state=HostState.DESTROYED, destroyed_at=utcnow(), accrued_usd=0.0)
-                done.append(host)
+            if host.destroyed_at is not None:
+                report.done.append(host)
                 continue
-            await self._destroy_instance(host)
-            done.append(host)
+            if not self.claim(host):
+                report.busy.append(host)
+                continue
+            if host.instance_id is None and host.create_sent_at is not None:
+                await self._destroy_strays_of(host)
+            if host.instance_id is None:
+                self.record.close(host, HostState.DESTROYED, 0.0, failure_reason="destroyed before it bought anything")
+            else:
+                final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
+                await self._destroy_instance(host, final_state=final)
+            report.done.append(host)
         self.publish_endpoints()
-        return done
+        return report
 
     # ---- status and reconcile ----------------------------------------------------------------
     def status(self, include_ended: bool = False) -> list[dict[str, Any]]:
@@ -724,85 +638,28 @@ class Fleet:
         ]
 
     async def reconcile(self) -> dict[str, Any]:
-        """Look every recorded host up (one listing, then show for those it lacks); finish interrupted work;
-        destroy strays with our label."""
-        report: dict[str, Any] = {"checked": 0, "gone": [], "failed": [], "strays_destroyed": [], "adopted": []}
-        live = self.record.hosts(states=LIVE_STATES)
-        async with self.waits.on("market"):
-            listing = await self.market.list(LABEL_PREFIX)
-        by_id = {i.id: i for i in listing}
-        by_label = {i.label: i for i in listing}
-        unlisted_but_there = 0
-        for host in live:
-            report["checked"] += 1
-            # vast.ai's reads lag create: an instance never yet seen running may simply not be listed yet.
-            young = host.running_at is None and _age_s(host) < self.settings.timeouts.instance_visible
-            if host.instance_id is None:
-                instance = by_label.get(host.label)
-                if instance is None:
-                    if young:
-                        continue
-                    self.record.update(
-                        host,
-                        state=HostState.DESTROYED,
-                        destroyed_at=utcnow(),
-                        accrued_usd=0.0,
-                        failure_reason="create was interrupted and bought nothing",
-                    )
-                    report["gone"].append(host.name)
-                    continue
-                self.record.update(host, instance_id=instance.id)
-                report["adopted"].append(host.name)
-            assert host.instance_id is not None
-            instance = by_id.get(host.instance_id)
-            if instance is None:
-                if young:
-                    continue
-                async with self.waits.on("market"):
-                    instance = await self.market.get(host.instance_id)
-                if instance is not None:
-                    unlisted_but_there += 1
-            if instance is None:
-                now = utcnow()
-                self.record.update(
-                    host,
-                    state=HostState.DESTROYED,
-                    destroyed_at=now,
-                    accrued_usd=accrued_usd(host, now),
-                    failure_reason="instance gone at reconcile",
-                )
-                self.record.event("info", "reconcile", "instance gone", host.id)
-                report["gone"].append(host.name)
-                continue
-            interrupted = host.state not in (HostState.READY,)
-            if instance.status in FAILED or interrupted:
-                reason = (
-                    f"instance {instance.status}"
-                    if instance.status in FAILED
-                    else f"bring-up interrupted in {host.state}"
-                )
-                await self._fail(host, host.state, reason, blacklist=instance.status in FAILED)
-                report["failed"].append(host.name)
-        if unlisted_but_there:
-            raise MarketError(
-                f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
-            )
-        known = {h.instance_id for h in self.record.hosts() if h.instance_id is not None}
-        for instance in listing:
-            if instance.id not in known:
-                async with self.waits.on("market"):
-                    await self.market.destroy(instance.id)
-                self.record.event(
-                    "info", "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label})
-                )
-                report["strays_destroyed"].append(instance.id)
-        self.publish_endpoints()
-        return report
+        """Settle every host whose bill is open and destroy strays (fleet/reconcile.py)."""
+        from fleet.reconcile import reconcile
+
+        return await reconcile(self)
 
 
-def _age_s(host: Host) -> float:
-    created = host.created_at if host.created_at.tzinfo else host.created_at.replace(tzinfo=UTC)
-    return (utcnow() - created).total_seconds()
+async def _to_the_end(cleanup: Awaitable[T]) -> T:
+    """Await a cleanup to its end, even when cancelled again meanwhile (a second Ctrl-C, the caller's own
+    cancel): what a bring-up bought is destroyed before its process lets go of the marketplace."""
+    task = asyncio.ensure_future(cleanup)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+
+
+@dataclass
+class DestroyReport:
+    done: list[Host] = field(default_factory=list)
+    busy: list[Host] = field(default_factory=list)  # owned by another live process: left alone
 
 
 def host_summary(h: Host) -> dict[str, Any]:

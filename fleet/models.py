@@ -33,6 +33,29 @@ class HostState(enum.StrEnum):
     DESTROYED = "destroyed"
 
 
+# The allowed moves, next to the states: Record.transition applies one only from these (compare-and-set).
+# FAILED and DESTROYED are where a host ends; its bill is closed separately, and only once the marketplace
+# confirms the instance gone (Record.close sets destroyed_at).
+TRANSITIONS: dict[HostState, frozenset[HostState]] = {
+    HostState.CREATING: frozenset({HostState.DESTROYING, HostState.BOOTING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.BOOTING: frozenset({HostState.DESTROYING, HostState.CONNECTING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.CONNECTING: frozenset({HostState.DESTROYING, HostState.PULLING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.PULLING: frozenset({HostState.DESTROYING, HostState.STARTING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.STARTING: frozenset({HostState.DESTROYING, HostState.PROBING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.PROBING: frozenset({HostState.DESTROYING, HostState.READY, HostState.FAILED, HostState.DESTROYED}),
+    HostState.READY: frozenset({HostState.DRAINING, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.DRAINING: frozenset({HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.DESTROYING: frozenset({HostState.DESTROYED, HostState.FAILED}),
+    HostState.FAILED: frozenset(),
+    HostState.DESTROYED: frozenset(),
+}
+
+
+def sources_of(target: HostState) -> tuple[HostState, ...]:
+    """The states a host may move to `target` from."""
+    return tuple(state for state, targets in TRANSITIONS.items() if target in targets)
+
+
 LIVE_STATES = (
     HostState.CREATING,
     HostState.BOOTING,
@@ -87,6 +110,18 @@ class Host(SQLModel, table=True):
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None
     replaces: int | None = Field(default=None, foreign_key="hosts.id")  # the host this one was brought up to replace
+    # Who is working on the host (a bring-up, a drain, a destroy) and until when, renewed while it works.
+    # Housekeeping acts only on a host with no owner, an expired lease, or an owner it knows is dead.
+    owner: str | None = Field(default=None, index=True)
+    lease_until: datetime | None = None
+    # When the create request left (None: it never did, so a host cut short before it bought nothing).
+    create_sent_at: datetime | None = None
+
+
+def host_age_s(host: Host) -> float:
+    """Seconds since the host's intent was written."""
+    created = host.created_at if host.created_at.tzinfo else host.created_at.replace(tzinfo=UTC)
+    return (utcnow() - created).total_seconds()
 
 
 class Attempt(SQLModel, table=True):

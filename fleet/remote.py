@@ -11,8 +11,10 @@ from pathlib import Path
 
 import asyncssh
 
+from fleet.errors import FleetError
 
-class RemoteError(RuntimeError):
+
+class RemoteError(FleetError, RuntimeError):
     pass
 
 

@@ -126,23 +126,27 @@ async def thermal_sweep(fleet: Fleet) -> list[HealthReport]:
 
 
 async def replace(
-    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None = None
+    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None = None
 ) -> Host | None:
     """Make before break: the new host READY and published first; then the old one drains and goes.
-    Returns None, touching nothing, when another daemon is acting on this host."""
-    assert old.id is not None
-    with fleet.record.host_lock(old.id) as mine:
-        current = fleet.record.host(old.id)
-        if not mine or current is None or current.state != HostState.READY:
-            fleet.reporter.info(old.name, "another daemon is acting on this host, or it left READY; skipped")
-            return None
-        return await _replace(fleet, old, reason, blacklist=blacklist, max_price=max_price)
+    Returns None, touching nothing, when another process works on the old host or it left READY."""
+    current = fleet.record.host(old.id) if old.id is not None else None
+    if current is None or current.state != HostState.READY or not fleet.claim(current):
+        fleet.reporter.info(old.name, "another process works on this host, or it left READY; skipped")
+        return None
+    try:
+        return await _replace(fleet, current, reason, blacklist=blacklist, max_effective_price=max_effective_price)
+    finally:
+        if current.destroyed_at is None:
+            fleet.record.release(current)
 
 
-async def _replace(fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_price: float | None) -> Host | None:
+async def _replace(
+    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None
+) -> Host | None:
     fleet.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
     fleet.reporter.info(old.name, f"replacing ({reason})")
-    result = await fleet.up(UpRequest(old.model, old.region, 1, max_price=max_price))
+    result = await fleet.up(UpRequest(old.model, old.region, 1, max_effective_price=max_effective_price))
     if not result.ready:
         why = "; ".join(result.failures) or "no host came up"
         fleet.record.event("error", "replace", json.dumps({"reason": reason, "failed": why}), old.id)
@@ -156,8 +160,14 @@ async def _replace(fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max
 
 
 async def retire(fleet: Fleet, host: Host, reason: str, *, blacklist: bool) -> None:
-    """Take the host out of the endpoints, let it finish what it serves, destroy it."""
-    fleet.record.update(host, state=HostState.DRAINING)
+    """Take the host out of the endpoints, let it finish what it serves, destroy it. The caller owns it (or
+    it is taken here); a host another process works on is left alone."""
+    if not fleet.claim(host):
+        fleet.reporter.info(host.name, "another process works on this host; not retired")
+        return
+    if not fleet.record.transition(host, HostState.DRAINING):
+        fleet.reporter.info(host.name, f"it is {host.state} now, not READY; not retired")
+        return
     fleet.publish_endpoints()
     await drain(fleet, host)
     if blacklist:
@@ -166,19 +176,32 @@ async def retire(fleet: Fleet, host: Host, reason: str, *, blacklist: bool) -> N
 
 
 async def drain(fleet: Fleet, host: Host) -> None:
-    """Wait until no slot is processing a request (or the drain timeout, or the server is gone)."""
+    """Wait until no slot is processing a request, or the drain timeout. An answer that is not a list of
+    slots (an error status, --no-slots) says nothing about the calls in flight: wait it out. Only a server
+    that no longer accepts connections has nothing left to drain."""
     deadline = time.monotonic() + fleet.settings.rotation.drain_timeout_s
     async with httpx.AsyncClient(
         base_url=host.api_url or "", timeout=5, headers={"Authorization": f"Bearer {host.api_key}"}
     ) as client:
         while time.monotonic() < deadline:
             try:
-                slots = (await client.get("/slots")).json()
-            except (httpx.HTTPError, ValueError):
-                return  # nothing to drain from a server that does not answer
-            if not any(s.get("is_processing") for s in slots if isinstance(s, dict)):
+                response = await client.get("/slots")
+            except httpx.ConnectError:
+                return  # nothing listens: nothing to drain
+            except httpx.HTTPError:
+                response = None
+            slots = _json_list(response) if response is not None and response.status_code == 200 else None
+            if slots is not None and not any(s.get("is_processing") for s in slots if isinstance(s, dict)):
                 return
             await asyncio.sleep(0.2)
+
+
+def _json_list(response: httpx.Response) -> list | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, list) else None
 
 
 def judge_move(
@@ -253,7 +276,11 @@ async def reprice(fleet: Fleet, dry_run: bool) -> list[Move]:
     async def go(move: Move) -> None:
         async with limit:
             host = fleet.record.hosts(names=[move.name])[0]
-            new = await replace(fleet, host, f"reprice: {move.why}", blacklist=False, max_price=host.dph_total - 1e-9)
+            # The move was judged on the best offer's effective price: the new host may cost no more than that,
+            # whichever offer it lands on (the best one may be gone by now).
+            new = await replace(
+                fleet, host, f"reprice: {move.why}", blacklist=False, max_effective_price=move.best_usd_per_hour
+            )
             move.new_host = new.name if new else None
 
     await asyncio.gather(*(go(m) for m in moves if m.move))

@@ -89,7 +89,7 @@ def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
         )
     db.migrate(engine)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0006"
         assert conn.execute(text("SELECT name, health_failures FROM hosts")).all() == [("h1", 0)]
         assert conn.execute(text("SELECT count(*) FROM attempts WHERE host_id = 1")).scalar() == 1
         assert conn.execute(text("SELECT count(*) FROM events WHERE host_id = 1")).scalar() == 1

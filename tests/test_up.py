@@ -69,9 +69,9 @@ async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):
         assert stat.S_IMODE(os.stat(settings.database.file.parent / "ssh" / "id_ed25519").st_mode) == 0o600
         assert stat.S_IMODE(os.stat(settings.database.file.parent / "ssh").st_mode) == 0o700
 
-        done = await fleet.destroy([host.name])
+        done = (await fleet.destroy([host.name])).done
         assert done[0].state == HostState.DESTROYED and done[0].accrued_usd > 0
-        again = await fleet.destroy([host.name])  # idempotent
+        again = (await fleet.destroy([host.name])).done  # idempotent
         assert again[0].state == HostState.DESTROYED
     assert await live_instances(cloud) == []
 
@@ -146,7 +146,7 @@ async def test_count_three_comes_up_concurrently_on_distinct_machines(cloud, tmp
         assert len({h.machine_id for h in result.ready}) == 3
         assert len({h.api_url for h in result.ready}) == 3
         tokens = [(i, v["token"]) for i, v in cloud.state()["instances"].items()]
-        done = await fleet.destroy(None)
+        done = (await fleet.destroy(None)).done
         assert {h.state for h in done} == {HostState.DESTROYED}
     assert await live_instances(cloud) == []
     assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)

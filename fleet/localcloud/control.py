@@ -13,9 +13,13 @@ from pathlib import Path
 
 import httpx
 
+from fleet.errors import FleetError
 
-class CloudControlError(RuntimeError):
+
+class CloudControlError(FleetError, RuntimeError):
     """The local cloud could not be started, reached or stopped."""
+
+    prefix = "local cloud"
 
 
 @dataclass(frozen=True)

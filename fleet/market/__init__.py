@@ -10,12 +10,17 @@ Each error maps to one policy in the lifecycle:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fleet.errors import FleetError
 
-class MarketError(RuntimeError):
+
+class MarketError(FleetError, RuntimeError):
     """The marketplace answered something we cannot act on."""
+
+    prefix = "marketplace"
 
 
 class OfferGone(MarketError):
@@ -180,9 +185,10 @@ class Market(Protocol):
         """Offers matching the query, as the marketplace filters them (no local re-check).
         Raises MarketError on a malformed answer: an unparseable listing is never "no offers"."""
 
-    async def create(self, offer_id: int, spec: InstanceSpec) -> int:
+    async def create(self, offer_id: int, spec: InstanceSpec, on_sent: Callable[[], None] | None = None) -> int:
         """Rent the offer; return the new instance id. OfferGone when it was taken. Never retried
-        on an ambiguous answer: a retried create can buy twice."""
+        on an ambiguous answer: a retried create can buy twice. `on_sent` is called as the request leaves
+        (after any wait for the rate limit): from then on it may have been processed, whatever happens."""
 
     async def get(self, instance_id: int) -> Instance | None:
         """The instance, or None when the marketplace does not show it: gone (vast.ai answers null or 404

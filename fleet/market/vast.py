@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -59,12 +60,23 @@ class VastMarket:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, endpoint: str, method: str, path: str, *, retry_ambiguous: bool = True, **kw: Any) -> Any:
+    async def _request(
+        self,
+        endpoint: str,
+        method: str,
+        path: str,
+        *,
+        retry_ambiguous: bool = True,
+        on_sent: Callable[[], None] | None = None,
+        **kw: Any,
+    ) -> Any:
         """One logical call: paced, retried on 429 (always safe: nothing was done) and, unless the
         call may have been processed, on 5xx and broken connections."""
         for attempt in range(1, self._attempts + 1):
             try:
                 async with self.pacer.slot(endpoint):
+                    if on_sent is not None:
+                        on_sent()
                     return await self._once(method, path, **kw)
             except RateLimited as e:
                 if attempt == self._attempts:
@@ -130,7 +142,7 @@ class VastMarket:
             raise MarketError("search answered without an offers list")
         return [Offer.from_raw(row) for row in offers]
 
-    async def create(self, offer_id: int, spec: InstanceSpec) -> int:
+    async def create(self, offer_id: int, spec: InstanceSpec, on_sent: Callable[[], None] | None = None) -> int:
         env = dict(spec.env)
         env.update({f"-p {p}:{p}": "1" for p in spec.ports})
         body = {
@@ -145,7 +157,9 @@ class VastMarket:
             "cancel_unavail": True,
         }
         # A create that may have been processed is never retried: a retry can buy twice.
-        answer = await self._request("create", "PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False)
+        answer = await self._request(
+            "create", "PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False, on_sent=on_sent
+        )
         if not isinstance(answer, dict):
             raise MarketError(f"create answered {answer!r}")
         contract = answer.get("new_contract")

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from fleet.errors import FleetError
+
 CLOSE_CHECK_S = 0.05
 
 
-class StreamError(RuntimeError):
+class StreamError(FleetError, RuntimeError):
     pass
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import asyncssh
 
+from fleet.errors import FleetError
 from fleet.probes import ProbeResult
 from fleet.probes.gpu import QUERY, GpuParseError, GpuSample, parse_query_csv
-from fleet.probes.stream import Connection
+from fleet.probes.stream import Connection, StreamError
 
 LOAD_PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -36,10 +37,40 @@ class CardPoint:
     sample: GpuSample
 
 
+@dataclass
+class LoadCount:
+    """What the load callers achieved: a probe whose load never reached the card proves nothing."""
+
+    callers: int
+    ok: int = 0
+    failed: int = 0
+    last_error: str | None = None
+
+
+class ThermalError(FleetError):
+    """The thermal probe could not take a measurement (the server refused its one-caller request)."""
+
+    prefix = "thermal probe"
+
+
 def judge_thermal(
-    rates: list[RatePoint], cards: list[CardPoint], min_share: float, max_gpu_c: float, max_memory_c: float
+    rates: list[RatePoint],
+    cards: list[CardPoint],
+    min_share: float,
+    max_gpu_c: float,
+    max_memory_c: float,
+    load: LoadCount | None = None,
 ) -> ProbeResult:
-    """Verdict by decode share (the one-caller rate late in the run / early in it) and card temperatures."""
+    """Verdict by decode share (the one-caller rate late in the run / early in it) and card temperatures,
+    provided the load reached the card: most of the load callers' requests must have been served."""
+    if load is not None and load.callers and load.failed >= max(load.ok, 1):
+        return ProbeResult(
+            "thermal",
+            False,
+            f"the load never reached the card: {load.failed} of {load.ok + load.failed} load requests failed"
+            f" ({load.last_error or 'no reply'})",
+            {"load": asdict(load)},
+        )
     if len(rates) < 2 or rates[0].tokens_per_s <= 0:
         return ProbeResult("thermal", False, "too few one-caller measurements to judge", {"rates": len(rates)})
     # Judge the last third of the run against the first third, by medians: one noisy measurement
@@ -66,6 +97,7 @@ def judge_thermal(
             }
         ),
         "card_samples": len(cards),
+        "load": asdict(load) if load is not None else None,
     }
     problems = []
     if shares[-1] < min_share:
@@ -103,6 +135,7 @@ class _Load:
         self.idle = asyncio.Condition()
         self.in_flight = 0
         self.stop = False
+        self.count = LoadCount(callers)
         self.tasks = [asyncio.create_task(self._caller()) for _ in range(callers)]
 
     async def _caller(self) -> None:
@@ -114,9 +147,20 @@ class _Load:
                     return
                 self.in_flight += 1
                 try:
-                    await conn.chat(
+                    r = await conn.chat(
                         {"messages": LOAD_PROMPT, "max_tokens": self.tokens, "temperature": 1.0, "ignore_eos": True}
                     )
+                    if r.status == 200 and r.server_timings.get("predicted_n"):
+                        self.count.ok += 1
+                    else:
+                        self.count.failed += 1
+                        self.count.last_error = r.error or f"HTTP {r.status}, no tokens"
+                except (StreamError, OSError) as e:
+                    self.count.failed += 1
+                    self.count.last_error = f"{type(e).__name__}: {e}"
+                    await conn.close()
+                    conn = Connection(self.base_url, self.api_key)
+                    await asyncio.sleep(0.2)  # a refused connection must not spin
                 finally:
                     self.in_flight -= 1
                     async with self.idle:
@@ -145,7 +189,7 @@ async def one_caller_rate(base_url: str, api_key: str, tokens: int) -> float:
     finally:
         await conn.close()
     if r.status != 200:
-        raise RuntimeError(f"decode request failed: {r.error}")
+        raise ThermalError(f"the one-caller decode request failed: {r.error or f'HTTP {r.status}'}")
     return float(r.server_timings.get("predicted_per_second", 0.0))
 
 
@@ -184,7 +228,7 @@ async def run_thermal(
     finally:
         await load.close()
     await take_card()
-    result = judge_thermal(rates, cards, min_share, max_gpu_c, max_memory_c)
+    result = judge_thermal(rates, cards, min_share, max_gpu_c, max_memory_c, load.count)
     result.metrics["series"] = {
         "rates": [asdict(r) for r in rates],
         "cards": [{"t_s": c.t_s, **asdict(c.sample)} for c in cards],

@@ -4,6 +4,7 @@ never hurt our own hosts, and nothing may keep billing after fleet lost track of
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -103,20 +104,36 @@ async def test_a_destroy_that_fails_leaves_the_host_for_reconcile_to_finish(clou
             assert await listed_instances(api) == []
 
 
-async def test_an_unexpected_error_in_one_bring_up_destroys_its_instance_and_spares_the_rest(cloud, tmp_path):
-    # A context too small for the thermal probe's prompt: its one-caller request fails with a 400 that the
-    # probe did not expect (it raised RuntimeError and escaped the bring-up).
-    settings = with_variant(
-        settings_for(tmp_path),
-        "tiny-tight",
-        args=["-ngl", "99", "-c", "128", "-np", "1", "-t", "1", "--jinja"],
-        on_up=["thermal"],
+async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exits(cloud, tmp_path):
+    """Ctrl-C in `fleet up --count 2`: each bring-up destroys what it created, all of them before the process
+    closes its marketplace client (the siblings used to be left running after it closed)."""
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(write_config(tmp_path)),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+    up = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "up", "--model", "tiny", "--region", "eu", "--count", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    async with fleet_for(settings) as fleet:
-        result = await fleet.up(UpRequest("tiny-tight", "eu", count=2))  # must not raise
-        assert result.ready == [] and len(result.failures) == 2
-        assert all(a.outcome == "failed" for a in result.attempts)
-        assert all(h.destroyed_at is not None for h in fleet.record.hosts())
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        try:
+            deadline = asyncio.get_running_loop().time() + 90
+            # both bring-ups under way: one has its instance, the other waits on vast.ai's create interval
+            while len(hosts := fleet.record.hosts()) < 2 or not any(h.instance_id for h in hosts):
+                assert asyncio.get_running_loop().time() < deadline and up.poll() is None, up.stderr
+                await asyncio.sleep(0.05)
+            up.send_signal(signal.SIGINT)
+            _, err = await asyncio.to_thread(up.communicate, timeout=120)
+            assert up.returncode == 130, err
+            assert "interrupted" in err
+            hosts = fleet.record.hosts()
+            assert len(hosts) == 2 and all(h.destroyed_at for h in hosts), [(h.name, h.state) for h in hosts]
+        finally:
+            await fleet.destroy(None)
     async with cloud.client() as api:
         assert await listed_instances(api) == []
 

@@ -1,0 +1,19 @@
+"""Named points where a test makes fleet crash, to prove a crash anywhere leaves nothing billing unseen.
+
+`FLEET_CRASH_AT=after_create` makes the process SIGKILL itself when it reaches that point, as a power
+cut or an OOM kill would: no `finally`, no cleanup. Unset (always, outside tests), reaching a point does
+nothing. The points: before_create, after_create, mid_pull, after_pull, after_start, mid_destroy (and
+after_<phase> for every bring-up phase).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "FLEET_CRASH_AT"
+
+
+def reach(point: str) -> None:
+    if os.environ.get(ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)

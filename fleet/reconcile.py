@@ -1,0 +1,132 @@
+"""Reconcile: make the record and the marketplace agree, without touching what another process works on.
+
+Every host whose bill is open is looked at (one listing, then show for those it lacks), but only once this
+process owns it: a host another live process is bringing up, draining or destroying keeps its owner until
+that owner's lease runs out or the owner is seen dead. What is found:
+- gone at the marketplace: its bill closes (the cost up to now);
+- a bring-up whose owner died, a failed host whose destroy never confirmed, a drain or destroy cut short:
+  its instance is destroyed and the bill closed;
+- READY with a failed instance (exited, stopped): failed, blacklisted, destroyed;
+- a create cut short before its answer: the instance is found by the host's label (an instance is known by
+  its label before its id), or, once vast.ai's read lag has passed, the create bought nothing.
+Then the strays: instances that carry our label prefix and belong to no open host (a label no host row
+has, or the label of a host whose bill is closed) are destroyed. An empty or malformed listing while
+recorded instances exist is an error, never "no instances".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from fleet.market import FAILED, Instance, MarketError
+from fleet.models import Host, HostState, host_age_s, utcnow
+
+if TYPE_CHECKING:
+    from fleet.lifecycle import Fleet
+
+
+async def reconcile(fleet: Fleet) -> dict[str, Any]:
+    from fleet.lifecycle import LABEL_PREFIX
+
+    report: dict[str, Any] = {
+        "checked": 0,
+        "gone": [],
+        "failed": [],
+        "destroyed": [],
+        "strays_destroyed": [],
+        "adopted": [],
+        "busy": [],
+        "waiting": [],
+    }
+    async with fleet.waits.on("market"):
+        listing = await fleet.market.list(LABEL_PREFIX)
+    by_id = {i.id: i for i in listing}
+    by_label = {i.label: i for i in listing}
+    unlisted_but_there = 0
+    for host in fleet.record.open_hosts():
+        report["checked"] += 1
+        if not fleet.claim(host):
+            report["busy"].append(host.name)
+            continue
+        try:
+            unlisted_but_there += await _settle(fleet, host, by_id, by_label, report)
+        finally:
+            if host.destroyed_at is None:
+                fleet.record.release(host)
+    if unlisted_but_there:
+        raise MarketError(
+            f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
+        )
+    await _sweep_strays(fleet, listing, report)
+    fleet.publish_endpoints()
+    return report
+
+
+async def _settle(
+    fleet: Fleet, host: Host, by_id: dict[int, Instance], by_label: dict[str | None, Instance], report: dict[str, Any]
+) -> int:
+    """Bring one open host (owned by us now) to where the marketplace says it is. Returns 1 when show found
+    an instance the listing lacked."""
+    from fleet.lifecycle import accrued_usd
+
+    # vast.ai's reads lag create: an instance never yet seen running may simply not be listed yet.
+    young = host.running_at is None and host_age_s(host) < fleet.settings.timeouts.instance_visible
+    if host.instance_id is None:
+        found = by_label.get(host.label)
+        if found is None:
+            if young and host.create_sent_at is not None:  # the request left: it may yet be listed
+                report["waiting"].append(host.name)
+                return 0
+            fleet.record.close(
+                host, HostState.DESTROYED, 0.0, failure_reason="the create was cut short and bought nothing"
+            )
+            report["gone"].append(host.name)
+            return 0
+        fleet.record.update(host, instance_id=found.id)
+        fleet.record.event("info", "reconcile", json.dumps({"adopted": found.id}), host.id)
+        report["adopted"].append(host.name)
+    assert host.instance_id is not None
+    instance = by_id.get(host.instance_id)
+    shown = 0
+    if instance is None:
+        if young:
+            report["waiting"].append(host.name)
+            return 0
+        async with fleet.waits.on("market"):
+            instance = await fleet.market.get(host.instance_id)
+        shown = int(instance is not None)
+    if instance is None:
+        final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
+        fleet.record.close(host, final, accrued_usd(host, utcnow()), failure_reason="instance gone at reconcile")
+        fleet.record.event("info", "reconcile", "instance gone", host.id)
+        report["gone"].append(host.name)
+        return shown
+    if host.state in (HostState.FAILED, HostState.DRAINING, HostState.DESTROYING):
+        # its destroy never confirmed, or the process draining or destroying it died: finish the job
+        final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
+        await fleet._destroy_instance(host, final_state=final)
+        report["destroyed"].append(host.name)
+    elif host.state == HostState.READY:
+        if instance.status in FAILED:
+            await fleet._fail(host, "reconcile", f"instance {instance.status}", blacklist=True)
+            report["failed"].append(host.name)
+    else:
+        await fleet._fail(host, host.state, f"bring-up interrupted in {host.state}", blacklist=False)
+        report["failed"].append(host.name)
+    return shown
+
+
+async def _sweep_strays(fleet: Fleet, listing: list[Instance], report: dict[str, Any]) -> None:
+    hosts = fleet.record.hosts()
+    open_ids = {h.instance_id for h in hosts if h.destroyed_at is None and h.instance_id is not None}
+    open_labels = {h.label for h in hosts if h.destroyed_at is None}
+    closed_ids = {h.instance_id for h in hosts if h.destroyed_at is not None and h.instance_id is not None}
+    for instance in listing:
+        if instance.id in open_ids or instance.label in open_labels:
+            continue  # an open host's instance (its owner may not have recorded the id yet)
+        async with fleet.waits.on("market"):
+            await fleet.market.destroy(instance.id)
+        kind = "error" if instance.id in closed_ids else "info"  # a closed bill with a live instance: a bug
+        fleet.record.event(kind, "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label}))
+        report["strays_destroyed"].append(instance.id)
