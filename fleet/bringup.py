@@ -124,6 +124,7 @@ class BringUp:
             # The create may have been processed: Fleet._fail looks for our label, so nothing is left billing.
             fleet.record.event("answer", "create", f"error: {e}", host.id)
             raise PhaseFailed("create", f"{type(e).__name__}: {e}", blacklist=False) from None
+        failpoints.reach("create_answered")  # bought, and the id not yet recorded: only the label knows it
         fleet.record.update(host, instance_id=instance_id)
         fleet.record.event("answer", "create", json.dumps({"instance_id": instance_id}), host.id)
         fleet.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
