@@ -64,6 +64,10 @@ def test_up_destroy_reconcile_and_the_daemon_race_without_harm(cloud, tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    started = time.monotonic() + 60
+    while "daemon started" not in (tmp_path / "daemon.log").read_text():
+        assert time.monotonic() < started and daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+        time.sleep(0.1)
     rng = random.Random(10)
     meant_to_go: set[str] = set()
     outputs: list[str] = []
