@@ -20,7 +20,7 @@ def ssh_key_path(settings: config.Settings) -> Path:
 async def open_fleet(settings: config.Settings, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
     endpoint = resolve(settings)
     engine = db.open_database(settings.database.target)
-    market = open_market(endpoint)
+    market = open_market(endpoint, settings)
     fleet = Fleet(
         settings,
         db.Record(engine),

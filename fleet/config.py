@@ -33,6 +33,9 @@ class Provider(Strict):
     # Instances in flight are read in one listing, at first every second, then less often as they age,
     # down to once per this many seconds (vast.ai's docs: boot takes minutes; poll every 10 s).
     poll_max_interval_s: Annotated[float, Field(ge=1, le=120)] = 10
+    # How long one request to the marketplace may take. A create that times out is never sent again: its
+    # instance, if any, is found by its label.
+    request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
 
     @field_validator("url")
     @classmethod

@@ -6,6 +6,7 @@ else). Search and gpu names are public, as on vast.ai; the rest needs `Authoriza
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -75,7 +76,11 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                     return response
             if api and not path.startswith(PUBLIC_PATHS):
                 _check_auth(request, cloud.api_key)
-            return await handler(request)
+            late = path.startswith("/api/") and cloud.dice.fire(cloud.faults.slow, path)
+            response = await handler(request)
+            if late and cloud.faults.slow is not None:
+                await asyncio.sleep(cloud.faults.slow.delay_s)
+            return response
         except ApiError as e:
             return json_response(e.body, e.status)
         except web.HTTPException as e:

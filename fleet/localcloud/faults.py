@@ -24,6 +24,20 @@ class RequestFault:
 
 
 @dataclass
+class SlowAnswer:
+    """Answer late: the request is processed at once, its answer held back `delay_s` (a client that gives
+    up first does not know whether it was done)."""
+
+    count: int = 0
+    share: float = 0.0
+    paths: list[str] = field(default_factory=list)
+    delay_s: float = 5.0
+
+    def applies(self, path: str) -> bool:
+        return not self.paths or any(path.startswith(p) for p in self.paths)
+
+
+@dataclass
 class PullReset:
     after_bytes: int = 0
     count: int = 0
@@ -65,6 +79,7 @@ class Faults:
     reprice_at_create: dict[int, float] = field(default_factory=dict)  # offer id -> factor on its GPU price
     create_error_with_contract: int = 0  # the next N creates answer an error naming the contract they made
     search_quota_left: int | None = None  # searches left today (None: the default quota)
+    slow: SlowAnswer | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -87,6 +102,7 @@ class Faults:
             reprice_at_create={int(k): float(v) for k, v in data.get("reprice_at_create", {}).items()},
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
+            slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,7 +115,7 @@ class FaultDice:
     def __init__(self, seed: int = 7) -> None:
         self._rng = random.Random(seed)
 
-    def fire(self, fault: RequestFault | None, path: str) -> bool:
+    def fire(self, fault: RequestFault | SlowAnswer | None, path: str) -> bool:
         if fault is None or not fault.applies(path):
             return False
         if fault.count > 0:

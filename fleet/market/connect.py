@@ -36,5 +36,5 @@ def resolve(settings: Settings) -> Endpoint:
     return Endpoint(settings.provider.url, key, None)
 
 
-def open_market(endpoint: Endpoint) -> VastMarket:
-    return VastMarket(endpoint.url, endpoint.api_key)
+def open_market(endpoint: Endpoint, settings: Settings) -> VastMarket:
+    return VastMarket(endpoint.url, endpoint.api_key, timeout_s=settings.provider.request_timeout_s)
