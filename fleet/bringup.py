@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import asyncssh
+import httpx
 
 from fleet import failpoints, hostops
 from fleet.config import Profile, Timeouts
@@ -78,6 +79,9 @@ class BringUp:
                         await phase.run(self)
                 except TimeoutError:
                     raise PhaseFailed(phase.name, f"not done after {limit:g}s (timeouts.{phase.timeout})") from None
+                except (asyncssh.Error, OSError, httpx.HTTPError, RemoteError) as e:
+                    # the host went away under us (connection lost, reset, refused): this machine failed here
+                    raise PhaseFailed(phase.name, f"{type(e).__name__}: {e}") from None
                 failpoints.reach(f"after_{phase.name}")
         finally:
             if self.conn is not None:
@@ -170,6 +174,7 @@ class BringUp:
                 fleet.settings.up.pull_connections,
                 fleet.settings.timeouts.pull,
                 progress,
+                fleet.settings.timeouts.pull_stall,
             )
         fleet.record.update(host, pulled_at=utcnow())
 

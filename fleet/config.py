@@ -94,6 +94,7 @@ class Timeouts(Strict):
     heartbeat_gap: Annotated[float, Field(gt=0)] = 120
     ssh: Annotated[float, Field(gt=0)] = 120
     pull: Annotated[float, Field(gt=0)] = 3600
+    pull_stall: Annotated[float, Field(gt=0)] = 120  # a pull whose bytes stop growing this long fails then
     load: Annotated[float, Field(gt=0)] = 600
     probes: Annotated[float, Field(gt=0)] = 600
 

@@ -60,8 +60,10 @@ async def pull_files(
     connections: int,
     timeout_s: float,
     progress: Callable[[str, int, int], None],
+    stall_s: float = 120.0,
 ) -> dict[str, str]:
-    """Every file of the profile, with aria2c and its sha256 checked; file key -> path on the host."""
+    """Every file of the profile, with aria2c and its sha256 checked; file key -> path on the host. A file
+    whose bytes stop growing for `stall_s` fails the pull then, not at the end of `timeout_s`."""
     paths: dict[str, str] = {}
     try:
         async with asyncio.timeout(timeout_s):
@@ -70,11 +72,19 @@ async def pull_files(
                 sha256, size = await linked_etag(url, hf_token)
                 dest = f"{MODELS_DIR}/{f.file}"
                 shown = [0.0]
+                moved = [time.monotonic(), -1.0]  # when the file last grew, and to what size
 
-                def on_line(line: str, name: str = f.file, total: int = size, shown: list[float] = shown) -> None:
-                    if line.startswith("progress ") and time.monotonic() - shown[0] > 1.0:
+                def on_line(
+                    line: str, name: str = f.file, total: int = size, shown: list[float] = shown, moved: list = moved
+                ) -> None:
+                    if not line.startswith("progress "):
+                        return
+                    done = int(line.split()[1])
+                    if done > moved[1]:
+                        moved[:] = [time.monotonic(), done]
+                    if time.monotonic() - shown[0] > 1.0:
                         shown[0] = time.monotonic()
-                        progress(name, int(line.split()[1]), total)
+                        progress(name, done, total)
 
                 # The token travels on stdin into the script's environment, never on a command line.
                 argv = [
@@ -87,7 +97,14 @@ async def pull_files(
                     dest,
                     str(connections),
                 ]
-                last = await run_streaming(conn, argv, on_line, stdin=hf_token + "\n")
+                stream = asyncio.ensure_future(run_streaming(conn, argv, on_line, stdin=hf_token + "\n"))
+                while not stream.done():
+                    await asyncio.wait({stream}, timeout=1.0)
+                    if not stream.done() and time.monotonic() - moved[0] > stall_s:
+                        stream.cancel()
+                        await asyncio.gather(stream, return_exceptions=True)
+                        raise PhaseFailed("pull", f"{f.file}: no progress for {stall_s:g}s (timeouts.pull_stall)")
+                last = stream.result()
                 if last != f"ok {sha256} {size}":
                     raise PhaseFailed("pull", f"{f.file}: unexpected result {last!r}")
                 progress(f.file, size, size)

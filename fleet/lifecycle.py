@@ -43,7 +43,7 @@ from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, run_bench
 from fleet.probes.call import load_call
 from fleet.probes.runner import PROBES, run_probes
-from fleet.remote import SshKey, connect
+from fleet.remote import HostKeyMismatch, SshKey, connect
 
 LABEL_PREFIX = "fleet:"
 T = TypeVar("T")
@@ -457,9 +457,16 @@ class Fleet:
         names = only or list(PROBES)
         ssh = None
         if "thermal" in names and host.ssh_host and host.ssh_port:
-            ssh, _ = await connect(
-                host.ssh_host, host.ssh_port, self.ssh_key, host.host_key, self.settings.timeouts.ssh
-            )
+            try:
+                ssh, _ = await connect(
+                    host.ssh_host, host.ssh_port, self.ssh_key, host.host_key, self.settings.timeouts.ssh
+                )
+            except HostKeyMismatch as e:
+                # Not the machine we pinned at first contact: someone in the middle, or a machine re-imaged
+                # under us. Refused, recorded, and the machine is not rented again.
+                self.record.event("error", "host_key", json.dumps({"error": str(e)}), host.id)
+                self.blacklist_machine(host, "host_key", str(e))
+                raise
         try:
             return await self._probe(host, profile, names, ssh, self.settings.timeouts.probes, plot_path)
         finally:

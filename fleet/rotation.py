@@ -19,6 +19,7 @@ from fleet.lifecycle import Fleet, UpRequest
 from fleet.market import FAILED, HEARTBEAT_LOST, Instance
 from fleet.models import Host, HostState, utcnow
 from fleet.offers import effective_price_per_hour
+from fleet.remote import HostKeyMismatch
 
 HOURS_PER_MONTH = 730
 
@@ -113,13 +114,18 @@ async def health_sweep(fleet: Fleet) -> list[HealthReport]:
 
 
 async def thermal_sweep(fleet: Fleet) -> list[HealthReport]:
-    """Re-run the thermal probe on every READY host; replace a host that fails it, blacklisting its machine."""
+    """Re-run the thermal probe on every READY host; replace a host that fails it, blacklisting its machine.
+    A host whose SSH host key changed since it was pinned is replaced too (the probe refuses to talk to it)."""
     reports = []
     for host in fleet.record.hosts(states=(HostState.READY,)):
-        [result] = await fleet.probe(host.name, only=["thermal"])
-        report = HealthReport(host.name, result.passed, result.diagnosis, 0 if result.passed else 1)
-        if not result.passed:
-            new = await replace(fleet, host, f"thermal: {result.diagnosis}", blacklist=True)
+        try:
+            [result] = await fleet.probe(host.name, only=["thermal"])
+            healthy, reason = result.passed, result.diagnosis
+        except HostKeyMismatch as e:
+            healthy, reason = False, f"host key changed: {e}"
+        report = HealthReport(host.name, healthy, reason, 0 if healthy else 1)
+        if not healthy:
+            new = await replace(fleet, host, f"thermal: {reason}", blacklist=True)
             report.replaced_by = new.name if new else None
         reports.append(report)
     return reports

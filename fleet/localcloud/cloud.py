@@ -482,6 +482,17 @@ class Cloud:
             if vanish_after is not None and running_for >= vanish_after:
                 await self._forget(inst.id)
                 return
+            offline_after = self.faults.offline_after_s.get(inst.machine_id)
+            if offline_after is not None and running_for >= offline_after:
+                # the host's network is gone (its processes run on, unreachable): every connection drops
+                await self._network(inst).stop()
+                self._set_status(inst, "offline", "host is offline")
+                return
+            if inst.machine_id in self.faults.host_key_change:
+                self.faults.host_key_change.remove(inst.machine_id)
+                await asyncio.to_thread(self.host_for(inst).new_host_key)
+            if inst.machine_id in self.faults.freeze_server:
+                procs.pause(_llama_server_pids(inst.token))  # never resumed: the server hangs where it is
             sag = self.faults.decode_sag.get(inst.machine_id)
             share = sag.stop_share(running_for) if sag else 0.0
             if share > 0:

@@ -44,6 +44,15 @@ class PullReset:
 
 
 @dataclass
+class PullStall:
+    """The next `count` downloads of these files (whole-file requests, not a header read's ranges) send their
+    headers and then nothing, ever."""
+
+    files: list[str] = field(default_factory=list)
+    count: int = 1
+
+
+@dataclass
 class DecodeSag:
     start_after_s: float = 0.0
     ramp_s: float = 60.0
@@ -80,6 +89,10 @@ class Faults:
     create_error_with_contract: int = 0  # the next N creates answer an error naming the contract they made
     search_quota_left: int | None = None  # searches left today (None: the default quota)
     slow: SlowAnswer | None = None
+    pull_stall: PullStall | None = None
+    offline_after_s: dict[int, float] = field(default_factory=dict)  # machine -> its network goes, for good
+    host_key_change: list[int] = field(default_factory=list)  # machines whose SSH host key is made anew now
+    freeze_server: list[int] = field(default_factory=list)  # machines whose llama-server is stopped for good
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -103,6 +116,10 @@ class Faults:
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
             slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
+            pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,
+            offline_after_s={int(k): float(v) for k, v in data.get("offline_after_s", {}).items()},
+            host_key_change=[int(x) for x in data.get("host_key_change", [])],
+            freeze_server=[int(x) for x in data.get("freeze_server", [])],
         )
 
     def to_dict(self) -> dict[str, Any]:

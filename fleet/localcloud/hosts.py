@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -178,6 +179,16 @@ class LocalHost:
             {**env, "FLEET_SSHD_CONFIG": str(self.etc / "sshd_config"), "FLEET_HOST_KEY_DIR": str(self.etc)},
         )
         return self._wait_sshd(pid, timeout_s)
+
+    def new_host_key(self) -> None:
+        """A new SSH host key, and sshd restarted on it (a re-imaged machine, or someone in the middle)."""
+        key = self.etc / "ssh_host_ed25519_key"
+        key.unlink(missing_ok=True)
+        Path(str(key) + ".pub").unlink(missing_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "", "-f", str(key)], check=True)
+        pid = self.sshd_pid()
+        if pid:
+            os.kill(pid, signal.SIGHUP)  # sshd re-executes itself and reads its host key again
 
     def install_keys(self, authorized_keys: list[str]) -> None:
         _write_private(self.root / ".ssh" / "authorized_keys", "".join(k.strip() + "\n" for k in authorized_keys))

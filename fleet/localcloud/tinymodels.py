@@ -56,6 +56,7 @@ class TinyModel:
     arch: str
     filename: str
     template: str = CHATML_TEMPLATE
+    truncate_to: float | None = None  # keep this share of the file: a model llama-server cannot load
 
 
 MODELS: dict[str, TinyModel] = {
@@ -63,6 +64,8 @@ MODELS: dict[str, TinyModel] = {
     "tiny-swa": TinyModel("tiny-swa", "gemma2", "tiny-gemma2-swa16.gguf"),
     "tiny-recurrent": TinyModel("tiny-recurrent", "mamba", "tiny-mamba.gguf"),
     "tiny-rewrite": TinyModel("tiny-rewrite", "llama", "tiny-llama-rewriting-template.gguf", REWRITING_TEMPLATE),
+    # its header promises tensors the file does not hold: llama-server dies loading it
+    "tiny-truncated": TinyModel("tiny-truncated", "llama", "tiny-llama-truncated.gguf", truncate_to=0.6),
 }
 
 
@@ -213,6 +216,8 @@ def generate(name: str, path: Path, seed: int = 1234) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if model.truncate_to is not None:
+        os.truncate(tmp, int(tmp.stat().st_size * model.truncate_to))
     tmp.replace(path)
     return path
 

@@ -1,0 +1,106 @@
+"""Hosts that lie or die. A changed SSH host key is refused and flagged. A host that goes offline mid-pull,
+a pull that never progresses, a llama-server that dies loading its model and one that never answers /health:
+each ends in a destroyed, blacklisted machine and the next offer, within its phase's timeout."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fleet import rotation
+from fleet.lifecycle import UpRequest
+from fleet.localcloud import control
+from fleet.models import HostState
+from fleet.remote import HostKeyMismatch
+from tests.conftest import CloudHandle, _stop_and_check
+from tests.fleetkit import fleet_for, settings_for, with_variant
+from tests.helpers import listed_instances
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
+
+
+async def first_machine(settings) -> int:
+    async with fleet_for(settings) as fleet:
+        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
+
+
+async def assert_next_offer_served(fleet, result, machine: int, phase: str, words: str, within_s: float) -> None:
+    failed, ready = result.attempts
+    assert (failed.machine_id, failed.phase) == (machine, phase) and words in failed.reason, failed
+    assert failed.seconds < within_s, failed.seconds
+    assert ready.outcome == "ready" and ready.machine_id != machine
+    assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
+    lost = fleet.record.hosts(names=[failed.host])[0]
+    assert lost.state == HostState.FAILED and lost.destroyed_at is not None
+
+
+async def test_a_changed_host_key_is_refused_flagged_and_the_host_replaced(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        cloud.set_faults({"host_key_change": [host.machine_id]})
+        await asyncio.sleep(1.0)  # the host's sshd restarts on a new key
+        with pytest.raises(HostKeyMismatch):
+            await fleet.probe(host.name, only=["thermal"])
+        assert [e.action for e in fleet.record.events(host.id) if e.kind == "error"] == ["host_key"]
+        assert [b.machine_id for b in fleet.record.blacklist()] == [host.machine_id]
+        [report] = await rotation.thermal_sweep(fleet)  # the daemon's re-probe replaces it
+        assert not report.healthy and "host key changed" in report.reason and report.replaced_by
+        assert fleet.record.hosts(names=[host.name])[0].state == HostState.DESTROYED
+        await fleet.destroy(None)
+
+
+@pytest.fixture
+def slow_hub_cloud(tmp_path: Path, llama_server, monkeypatch) -> CloudHandle:
+    """A strict cloud whose hub sends 50 kB/s a connection: the tiny model takes ten seconds to pull."""
+    info = control.start(tmp_path / "slowcloud", provision_delay_s=0.3, loading_delay_s=0.2, hub_bytes_per_s=50_000)
+    handle = CloudHandle(info)
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(info.state_dir))
+    yield handle
+    _stop_and_check(handle)
+
+
+async def test_a_host_that_goes_offline_mid_pull(slow_hub_cloud, tmp_path):
+    settings = settings_for(tmp_path, up={"pull_connections": 1})
+    machine = await first_machine(settings)
+    slow_hub_cloud.set_faults({"offline_after_s": {str(machine): 4.0}})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        await assert_next_offer_served(fleet, result, machine, "pull", "", within_s=settings.timeouts.pull)
+        await fleet.destroy(None)
+    async with slow_hub_cloud.client() as api:
+        assert await listed_instances(api) == []
+
+
+async def test_a_pull_that_never_progresses_fails_at_its_stall_limit(cloud, tmp_path):
+    settings = settings_for(tmp_path, up={"pull_connections": 1}, timeouts={"pull_stall": 4.0, "pull": 60.0})
+    machine = await first_machine(settings)
+    cloud.set_faults({"pull_stall": {"files": ["tiny-llama-bytes.gguf"], "count": 1}})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        await assert_next_offer_served(fleet, result, machine, "pull", "no progress for 4s", within_s=30)
+        await fleet.destroy(None)
+
+
+async def test_a_server_that_dies_loading_its_model(cloud, tmp_path):
+    settings = with_variant(
+        settings_for(tmp_path, up={"max_attempts": 2}), "tiny-broken-file", file="tiny-llama-truncated.gguf"
+    )
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny-broken-file", "eu"))
+        assert result.ready == [] and [a.phase for a in result.attempts] == ["start", "start"]
+        assert all("failed to load model" in a.reason and a.seconds < 30 for a in result.attempts)
+        assert len({b.machine_id for b in fleet.record.blacklist()}) == 2
+        assert all(h.destroyed_at is not None for h in fleet.record.hosts())
+
+
+async def test_a_server_that_never_answers_health(cloud, tmp_path):
+    settings = settings_for(tmp_path, timeouts={"load": 6.0})
+    machine = await first_machine(settings)
+    cloud.set_faults({"freeze_server": [machine]})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        await assert_next_offer_served(fleet, result, machine, "start", "timeouts.load", within_s=30)
+        await fleet.destroy(None)
