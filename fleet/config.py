@@ -119,11 +119,17 @@ class Traffic(Strict):
     down: Annotated[float, Field(ge=0)] = 0.0
 
 
+# Names that end up in URLs, file paths on hosts, labels and host names: plain ASCII words that start with a
+# letter, a digit or "_", so never "." or ".." (a path that climbs out).
+NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+PATH_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,95}"
+
+
 class ModelFile(Strict):
     key: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
-    repo: Annotated[str, Field(pattern=r"^[\w.-]+/[\w.-]+$")]
-    file: Annotated[str, Field(pattern=r"^[\w.-]+$")]
-    revision: str = "main"
+    repo: Annotated[str, Field(pattern=rf"^{PATH_PART}/{PATH_PART}$")]
+    file: Annotated[str, Field(pattern=rf"^{PATH_PART}$")]
+    revision: Annotated[str, Field(pattern=rf"^{PATH_PART}(?:/{PATH_PART})*$")] = "main"
 
 
 class ProfileProbes(Strict):
@@ -159,6 +165,8 @@ class Profile(Strict):
         if len(set(keys)) != len(keys):
             raise ValueError("files: keys must be unique")
         for arg in self.args:
+            if any(c in arg for c in "\0\n\r"):
+                raise ValueError(f"args: {arg!r} holds a NUL or a line break")
             for ref in re.findall(r"\{file\.([^}]*)\}", arg):
                 if ref not in keys:
                     raise ValueError(f"args: {{file.{ref}}} names no file")
@@ -226,10 +234,20 @@ class Settings(Strict):
     rotation: Rotation = Rotation()
     models: dict[str, Profile]
 
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, v: dict[str, Profile]) -> dict[str, Profile]:
+        for name in v:
+            if not re.fullmatch(NAME, name):
+                raise ValueError(f"{name!r}: a profile name is letters, digits, '_', '.' and '-' (at most 64)")
+        return v
+
     @field_validator("regions")
     @classmethod
     def _regions(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
         for name, codes in v.items():
+            if not re.fullmatch(NAME, name):
+                raise ValueError(f"{name!r}: a region name is letters, digits, '_', '.' and '-' (at most 64)")
             bad = [c for c in codes if not re.fullmatch(r"[A-Z]{2}", c)]
             if bad:
                 raise ValueError(f"{name}: country codes must be two capital letters, not {bad}")

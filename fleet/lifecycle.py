@@ -491,10 +491,10 @@ class Fleet:
     def _serving_host(self, name: str) -> Host:
         hosts = self.record.hosts(names=[name])
         if not hosts:
-            raise KeyError(f"no such host: {name}")
+            raise KeyError(f"no such host: {name!r}")
         host = hosts[0]
         if host.state not in (HostState.READY, HostState.PROBING) or not host.api_url:
-            raise KeyError(f"host {name} is {host.state}, not serving")
+            raise KeyError(f"host {name!r} is {host.state}, not serving")
         return host
 
     def _end_attempt(self, host: Host, phase: str | None, reason: str | None) -> None:
@@ -606,7 +606,7 @@ class Fleet:
             targets = self.record.hosts(names=names)
             unknown = sorted(set(names) - {h.name for h in targets})
             if unknown:
-                raise KeyError(f"no such host: {', '.join(unknown)}")
+                raise KeyError(f"no such host: {', '.join(map(repr, unknown))}")
         report = DestroyReport()
         for host in targets:
             if host.destroyed_at is not None:

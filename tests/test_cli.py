@@ -67,7 +67,7 @@ def test_bad_input_exits_2_and_creates_nothing(env, cloud, tmp_path):
         (["up", "--model", "tiny", "--region", "eu", "--max-price", "-1"], "--max-price must be positive"),
         (["destroy"], "name the hosts to destroy, or pass --all"),
         (["destroy", "--all"], "refusing to destroy every host without --yes"),
-        (["destroy", "no-such-host"], "no such host: no-such-host"),
+        (["destroy", "no-such-host"], "no such host: 'no-such-host'"),
         (["offers", "--model", "nope", "--region", "eu"], "no model profile"),
     ]
     for args, message in cases:
@@ -167,9 +167,9 @@ def test_probe_json_and_its_bad_input(env, cloud):
         assert probes[1]["metrics"]["connection_reused"] is False
         for args, message in [
             (["probe", host["name"], "--only", "bogus"], "unknown probe bogus"),
-            (["probe", "no-such-host"], "no such host: no-such-host"),
+            (["probe", "no-such-host"], "no such host: 'no-such-host'"),
             (["probe", host["name"], "--only", "smoke", "--plot", "x.png"], "--plot draws the thermal probe"),
-            (["bench", "no-such-host"], "no such host: no-such-host"),
+            (["bench", "no-such-host"], "no such host: 'no-such-host'"),
         ]:
             bad = fleet(env, *args)
             assert bad.returncode == 2, (args, bad.stderr)

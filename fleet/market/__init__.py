@@ -10,6 +10,7 @@ Each error maps to one policy in the lifecycle:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -89,16 +90,19 @@ class Offer:
         return self.geolocation.strip()[-2:].upper() if self.geolocation else ""
 
     @classmethod
-    def from_raw(cls, row: dict[str, Any]) -> Offer:
-        """From a raw vast.ai offer; raises MarketError when a field we filter on is missing."""
+    def from_raw(cls, row: Any) -> Offer:
+        """From a raw vast.ai offer; raises MarketError when it is not an object, a field we filter on is
+        missing or of the wrong type, or a number is not finite."""
+        if not isinstance(row, dict):
+            raise MarketError(f"malformed offer: {type(row).__name__}, not an object")
         try:
-            return cls(
+            offer = cls(
                 id=int(row["id"]),
                 machine_id=int(row["machine_id"]),
-                gpu_name=str(row["gpu_name"]),
+                gpu_name=_text(row["gpu_name"]),
                 num_gpus=int(row["num_gpus"]),
                 gpu_ram_mb=int(row.get("gpu_ram") or 0),
-                geolocation=str(row.get("geolocation") or ""),
+                geolocation=_text(row.get("geolocation") or ""),
                 dph_total=float(row["dph_total"]),
                 inet_up_usd_per_gb=float(row.get("inet_up_cost") or 0.0),
                 inet_down_usd_per_gb=float(row.get("inet_down_cost") or 0.0),
@@ -109,8 +113,18 @@ class Offer:
                 verified=row.get("verification", "verified" if row.get("verified") else "") == "verified",
                 raw=row,
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise MarketError(f"malformed offer {row.get('id')!r}: {e}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
+        numbers = (offer.dph_total, offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb, offer.reliability)
+        if not all(math.isfinite(n) for n in (*numbers, offer.cuda_max_good, offer.disk_space_gb)):
+            raise MarketError(f"malformed offer {offer.id}: a number that is not finite")
+        return offer
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)

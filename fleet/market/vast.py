@@ -271,8 +271,10 @@ def _msg(body: Any) -> str:
     return str(body)
 
 
-def instance_from_row(row: dict[str, Any]) -> Instance:
+def instance_from_row(row: Any) -> Instance:
     """An instance row as show and list answer it; MarketError when a field we act on is malformed."""
+    if not isinstance(row, dict):
+        raise MarketError(f"malformed instance row: {type(row).__name__}, not an object")
     try:
         ports: dict[int, int] = {}
         for key, mappings in (row.get("ports") or {}).items():
@@ -292,5 +294,7 @@ def instance_from_row(row: dict[str, Any]) -> Instance:
             start_date=float(row["start_date"]) if row.get("start_date") else None,
             raw=row,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise MarketError(f"malformed instance row {row.get('id')!r}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise MarketError(
+            f"malformed instance row {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]
+        ) from None
