@@ -13,6 +13,19 @@ import pytest
 
 from fleet.localcloud import control, procs, toolchain
 from tests.helpers import processes_mentioning
+from tests.secrets_watch import SecretsWatch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def secrets_watch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecretsWatch]:
+    """Around the whole session: no secret in a log, an output, a command line or the wrong file (see
+    tests/secrets_watch.py); a leak fails the session at its end."""
+    watch = SecretsWatch(tmp_path_factory.getbasetemp())
+    watch.start()
+    yield watch
+    watch.stop()
+    found = watch.findings()
+    assert not found, "secrets where they must not be:\n" + "\n".join(found)
 
 
 @pytest.fixture(scope="session")

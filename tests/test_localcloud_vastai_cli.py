@@ -5,6 +5,7 @@ import asyncio
 import json
 import subprocess
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import asyncssh
@@ -15,9 +16,14 @@ SHOW_INTERVAL_S = 2.2  # vast.ai allows one show every 2 s per key; the CLI's ow
 
 
 def vastai(vastai_bin, env, cloud, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with the key in its key file, as a user keeps it (never on a command line, where ps shows it)."""
     run_env = {**env, "VAST_URL": cloud.url}
+    key_file = Path(env["XDG_CONFIG_HOME"]) / "vastai" / "vast_api_key"
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(cloud.key)
+    key_file.chmod(0o600)
     return subprocess.run(
-        [vastai_bin, "--url", cloud.url, "--api-key", cloud.key, *args],
+        [vastai_bin, "--url", cloud.url, *args],
         env=run_env,
         capture_output=True,
         text=True,

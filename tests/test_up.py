@@ -218,8 +218,11 @@ async def test_a_server_that_exits_at_start_fails_the_host_in_start(cloud, tmp_p
     assert await live_instances(cloud) == []
 
 
-async def test_a_hugging_face_token_reaches_the_hub_but_no_command_line_or_file(cloud, tmp_path, monkeypatch):
+async def test_a_hugging_face_token_reaches_the_hub_but_no_command_line_or_file(
+    cloud, tmp_path, monkeypatch, secrets_watch
+):
     token = "hf_" + "s3cr3t" * 6
+    secrets_watch.register(token)
     monkeypatch.setenv("HF_TOKEN", token)
     async with cloud.client() as api:
         before = (await api.get("/admin/hub-stats")).json()["token_requests"]

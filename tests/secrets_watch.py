@@ -1,0 +1,116 @@
+"""The secrets scan around the whole test session: no vast.ai API key, llama-server key, private key or Hugging
+Face token in any log, any command's captured output, the command line of any process, or a database where
+it does not belong; databases and key files private to their owner.
+
+While the session runs, a thread reads every process's command line twice a second and every `fleet` command
+run through subprocess.run has its output kept. At the end the secrets are gathered from where the session
+made them (each local cloud's api_key file, every fleet database's llama-server keys, every private key file,
+the tokens tests register) and looked for everywhere.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_SCAN_BYTES = 64 * 1024 * 1024
+KEY_FILES = ("api_key", "vast_api_key", "id_ed25519", "id_ed25519.pub")  # where a secret lives, by design
+
+
+class SecretsWatch:
+    def __init__(self, basetemp: Path) -> None:
+        self.basetemp = basetemp
+        self.registered: set[str] = set()
+        self.command_lines: set[bytes] = set()
+        self.outputs: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch_processes, daemon=True, name="secrets-watch")
+        self._real_run = subprocess.run
+
+    def register(self, secret: str) -> None:
+        """A secret a test made up (a Hugging Face token) that must appear nowhere it should not."""
+        self.registered.add(secret)
+
+    def start(self) -> None:
+        self._thread.start()
+        watch = self
+
+        def run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess:
+            result = watch._real_run(*args, **kwargs)
+            argv = args[0] if args else kwargs.get("args", [])
+            if "fleet.cli" in " ".join(map(str, argv)) and kwargs.get("capture_output"):
+                watch.outputs.append(f"{result.stdout}{result.stderr}")
+            return result
+
+        subprocess.run = run  # type: ignore[assignment]
+
+    def _watch_processes(self) -> None:
+        while not self._stop.is_set():
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        self.command_lines.add((entry / "cmdline").read_bytes())
+                    except OSError:
+                        continue
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        subprocess.run = self._real_run  # type: ignore[assignment]
+
+    # ---- the scan ----------------------------------------------------------------------------
+    def secrets(self) -> dict[str, set[str]]:
+        vast = {p.read_text().strip() for p in self.basetemp.rglob("api_key") if p.is_file()}
+        llama: set[str] = set()
+        for database in self.basetemp.rglob("fleet.db"):
+            try:
+                with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+                    llama |= {k for (k,) in db.execute("SELECT api_key FROM hosts WHERE api_key IS NOT NULL")}
+            except sqlite3.Error:
+                continue
+        private = set()
+        for key in self.basetemp.rglob("id_ed25519"):
+            body = [ln for ln in key.read_text().splitlines() if ln and not ln.startswith("-----")]
+            private |= {ln for ln in body if len(ln) >= 40}
+        return {"vast.ai API key": vast, "llama-server key": llama, "private key": private, "token": self.registered}
+
+    def findings(self) -> list[str]:
+        kinds = self.secrets()
+        everything = {(kind, s) for kind, values in kinds.items() for s in values if len(s) >= 16}
+        not_in_databases = {(k, s) for k, s in everything if k != "llama-server key"}
+        found: list[str] = []
+        for path in self.basetemp.rglob("*"):
+            if not path.is_file() or path.is_symlink() or path.stat().st_size > MAX_SCAN_BYTES:
+                continue
+            name = path.name
+            if name in KEY_FILES or name.startswith("api-key"):
+                continue  # where a secret lives, by design (modes checked below)
+            data = path.read_bytes()
+            is_database = name.startswith("fleet.db") or name.endswith((".db", ".db-wal", ".db-shm"))
+            allowed_llama = is_database or name == "endpoints.json"
+            for kind, secret in not_in_databases if allowed_llama else everything:
+                if secret.encode() in data:
+                    found.append(f"{kind} in {path}")
+        for line in self.command_lines:
+            for kind, secret in everything:
+                if secret.encode() in line:
+                    found.append(f"{kind} on a command line: {line[:80]!r}")
+        for output in self.outputs:
+            for kind, secret in everything:
+                if kind != "llama-server key" and secret in output:
+                    found.append(f"{kind} in a command's output: {output[:80]!r}")
+        for path in [
+            *self.basetemp.rglob("fleet.db"),
+            *self.basetemp.rglob("id_ed25519"),
+            *self.basetemp.rglob("api_key"),
+        ]:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o077:
+                found.append(f"{path} is readable by others (mode {oct(mode)})")
+        return sorted(set(found))

@@ -1,0 +1,47 @@
+"""The secrets scan itself finds what it must: a key in a log, on a command line, in a command's output, and a
+database others can read (so a clean session means something)."""
+
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.secrets_watch import SecretsWatch
+
+
+def test_the_scan_finds_a_planted_secret_everywhere_it_looks():
+    # outside the session's own directory: the session's scan must not take these planted keys for its own
+    with tempfile.TemporaryDirectory() as name:
+        planted_and_found(Path(name))
+
+
+def planted_and_found(tmp_path: Path) -> None:
+    cloud = tmp_path / "localcloud"
+    cloud.mkdir()
+    vast_key = "v" * 40
+    (cloud / "api_key").write_text(vast_key)
+    (cloud / "api_key").chmod(0o600)
+    database = tmp_path / "run" / "fleet.db"
+    database.parent.mkdir()
+    with sqlite3.connect(database) as db:
+        db.execute("CREATE TABLE hosts (api_key TEXT)")
+        db.execute("INSERT INTO hosts VALUES (?)", ("k" * 43,))
+    database.chmod(0o644)  # readable by others: must be found
+    (tmp_path / "run" / "server.log").write_text(f"started with {vast_key}\n")
+
+    watch = SecretsWatch(tmp_path)
+    watch.start()
+    try:
+        with subprocess.Popen(["sh", "-c", "sleep 1.5", "k" * 43]):
+            time.sleep(1.2)  # the watch reads command lines twice a second
+        subprocess.run([sys.executable, "-c", f"print('{vast_key}')", "fleet.cli"], capture_output=True, text=True)
+    finally:
+        watch.stop()
+    found = "\n".join(watch.findings())
+    assert f"vast.ai API key in {tmp_path / 'run' / 'server.log'}" in found
+    assert "llama-server key on a command line" in found
+    assert "vast.ai API key in a command's output" in found
+    assert f"{database} is readable by others" in found
+    assert f"in {database}" not in found  # a llama-server key belongs in the (private) database
