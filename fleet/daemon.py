@@ -3,7 +3,8 @@ functions as the commands; its job store lives in fleet's database; it serves Pr
 
 On SQLite one daemon per database: a second one finds the lock taken and refuses to start. On
 PostgreSQL several may run for availability: each job's tick is claimed by one of them (job_runs),
-and a host is acted on under an advisory lock, so no two daemons touch one host at once. SIGTERM
+and a host is acted on only by the process holding its lease (fleet/ownership.py), so no two daemons touch
+one host at once. SIGTERM
 (or SIGINT) lets the job in flight finish and exits cleanly. Every action is one log line.
 """
 
