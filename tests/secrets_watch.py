@@ -77,7 +77,7 @@ class SecretsWatch:
         private = set()
         for key in self.basetemp.rglob("id_ed25519"):
             body = [ln for ln in key.read_text().splitlines() if ln and not ln.startswith("-----")]
-            private |= {ln for ln in body if len(ln) >= 40}
+            private |= {ln for ln in body[1:] if len(ln) >= 40}  # the first line is the same in every key
         return {"vast.ai API key": vast, "llama-server key": llama, "private key": private, "token": self.registered}
 
     def findings(self) -> list[str]:

@@ -359,6 +359,7 @@ class Cloud:
                 private_ip=inst.private_ip,
                 ssh_port=inst.internal_ssh_port,
                 llama_server=self.settings.llama_server,
+                frozen_server=inst.machine_id in self.faults.freeze_server,
             )
         return self._hosts[inst.id]
 
@@ -491,8 +492,6 @@ class Cloud:
             if inst.machine_id in self.faults.host_key_change:
                 self.faults.host_key_change.remove(inst.machine_id)
                 await asyncio.to_thread(self.host_for(inst).new_host_key)
-            if inst.machine_id in self.faults.freeze_server:
-                procs.pause(_llama_server_pids(inst.token))  # never resumed: the server hangs where it is
             sag = self.faults.decode_sag.get(inst.machine_id)
             share = sag.stop_share(running_for) if sag else 0.0
             if share > 0:

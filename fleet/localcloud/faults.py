@@ -92,7 +92,9 @@ class Faults:
     pull_stall: PullStall | None = None
     offline_after_s: dict[int, float] = field(default_factory=dict)  # machine -> its network goes, for good
     host_key_change: list[int] = field(default_factory=list)  # machines whose SSH host key is made anew now
-    freeze_server: list[int] = field(default_factory=list)  # machines whose llama-server is stopped for good
+    freeze_server: list[int] = field(
+        default_factory=list
+    )  # machines (set before renting) whose llama-server never starts
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:

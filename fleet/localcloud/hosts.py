@@ -49,6 +49,7 @@ class LocalHost:
     private_ip: str
     ssh_port: int  # sshd's port on the private address (the container's port 22)
     llama_server: Path | None
+    frozen_server: bool = False  # fault: the host's llama-server stops itself before it even starts
     roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
 
     @property
@@ -92,7 +93,12 @@ class LocalHost:
         aria2c = shutil.which("aria2c")
         if aria2c:
             _link(Path(aria2c), self.bin_dir / "aria2c")
-        if self.llama_server:
+        if self.llama_server and self.frozen_server:
+            wrapper = self.bin_dir / "llama-server"
+            wrapper.unlink(missing_ok=True)
+            _write_private(wrapper, f'#!/bin/sh\nkill -STOP $$\nexec {shlex.quote(str(self.llama_server))} "$@"\n')
+            os.chmod(wrapper, 0o700)
+        elif self.llama_server:
             _link(self.llama_server, self.bin_dir / "llama-server")
 
         # An SSH session gets the image's environment only: the create call's env is not in it
