@@ -16,7 +16,7 @@ import time
 from tests.fleetkit import write_config
 from tests.reliability.invariants import cloud_books, record_hosts, settled
 
-SECONDS = 75
+SECONDS = 45
 CAP = 3
 
 
