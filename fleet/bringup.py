@@ -186,7 +186,14 @@ class BringUp:
         api_url = f"http://{service[0]}:{service[1]}"
         async with self.fleet.waits.on("server"):
             await hostops.start_server(
-                self.conn, self.profile, SERVICE_PORT, self.files, api_key, api_url, self.fleet.settings.timeouts.load
+                self.conn,
+                self.profile,
+                SERVICE_PORT,
+                self.files,
+                api_key,
+                api_url,
+                self.fleet.settings.timeouts.load,
+                await self.fleet.chat_template(self.profile) if self.profile.chat_template else None,
             )
         self.fleet.record.update(self.host, api_url=api_url, api_key=api_key, started_at=utcnow())
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleet.errors import BadInput
+from fleet.probes.renderings import TURN_SHAPES
 
 DEFAULT_CONFIG = "fleet.toml"
 LOCAL = "local"
@@ -155,7 +156,29 @@ class Profile(Strict):
     traffic_gb_per_hour: Traffic = Traffic()
     files: Annotated[list[ModelFile], Field(min_length=1)]
     args: list[str] = []
+    # The chat template llama-server uses (--chat-template-file): a file fleet ships (fleet/templates/),
+    # named by file name, or a path (relative to fleet.toml); none: the one in the model file
+    chat_template: str | None = None
+    # turn shapes (fleet/probes/renderings.py) whose prompt-cache break this profile lives with
+    accept_template_breaks: list[str] = []
     probes: ProfileProbes = ProfileProbes()
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c in v for c in "\0\n\r")):
+            raise ValueError("an empty name, a NUL or a line break")
+        if v is not None and "/" not in v and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}\.jinja", v):
+            raise ValueError(f"{v!r}: a file fleet ships is named NAME.jinja (a path of yours holds a '/')")
+        return v
+
+    @field_validator("accept_template_breaks")
+    @classmethod
+    def _accepted_shapes(cls, v: list[str]) -> list[str]:
+        unknown = [s for s in v if s not in TURN_SHAPES]
+        if unknown:
+            raise ValueError(f"{unknown}: the turn shapes are {', '.join(TURN_SHAPES)}")
+        return v
 
     @model_validator(mode="after")
     def _files(self) -> Profile:
@@ -170,9 +193,12 @@ class Profile(Strict):
             for ref in re.findall(r"\{file\.([^}]*)\}", arg):
                 if ref not in keys:
                     raise ValueError(f"args: {{file.{ref}}} names no file")
-        for forbidden in ("--api-key", "--port", "--host", "-m", "--model"):
+        for forbidden in ("--api-key", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template"):
             if forbidden in self.args:
-                raise ValueError(f"args: {forbidden} is set by fleet, not the profile")
+                raise ValueError(
+                    f"args: {forbidden} is set by fleet, not the profile"
+                    + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
+                )
         # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
         if "-np" in self.args and self.args[self.args.index("-np") + 1 :][:1] != [str(self.slots)]:
             raise ValueError(f"args: -np must equal slots ({self.slots})")
@@ -212,7 +238,7 @@ class Rotation(Strict):
 class Probes(Strict):
     """The probes' thresholds (which probes `fleet up` runs is per profile)."""
 
-    keepalive_gate: bool = False  # a server that closes after every streamed reply fails READY
+    keepalive_gate: bool = True  # a server that closes after every streamed reply fails READY
     prompt_allowance_tokens: Annotated[int, Field(ge=0)] = 24  # template glue beyond the appended text
     thermal_min_share: Annotated[float, Field(gt=0, le=1)] = 0.8  # one-caller rate now / cold
     thermal_max_gpu_c: Annotated[float, Field(gt=0)] = 87

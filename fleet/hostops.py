@@ -34,10 +34,15 @@ class PhaseFailed(FleetError):
         self.blacklist = blacklist
 
 
+TEMPLATE_FILE = f"{RUN_DIR}/chat-template.jinja"
+
+
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
-    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), port, alias."""
+    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template
+    fleet put on the host when the profile names one, port, alias."""
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
-    return ["-m", files["main"], *args, "--port", str(port), "-a", profile.name]
+    template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
+    return ["-m", files["main"], *args, *template, "--port", str(port), "-a", profile.name]
 
 
 async def linked_etag(url: str, hf_token: str) -> tuple[str, int]:
@@ -124,9 +129,14 @@ async def start_server(
     api_key: str,
     api_url: str,
     timeout_s: float,
+    chat_template: str | None = None,
 ) -> None:
-    """Start llama-server (the key on stdin) and wait for /health; fail fast when it dies."""
+    """Put the profile's chat template on the host (its text on stdin), start llama-server (the key on
+    stdin) and wait for /health; fail fast when it dies."""
     try:
+        if chat_template is not None:
+            put = 'mkdir -p "$1" && chmod 700 "$1" && cat > "$2"'
+            await run(conn, ["sh", "-c", put, "sh", RUN_DIR, TEMPLATE_FILE], stdin=chat_template, timeout_s=60)
         await run(
             conn, ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)], stdin=api_key + "\n", timeout_s=60
         )

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import asyncssh
 import httpx
 
-from fleet import failpoints, ggufhead
+from fleet import chat_template, failpoints, ggufhead
 from fleet import offers as offer_rules
 from fleet.bringup import SERVICE_PORT, BringUp
 from fleet.config import Profile, Settings
@@ -42,6 +42,7 @@ from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settin
 from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, run_bench
 from fleet.probes.call import load_call
+from fleet.probes.renderings import Renderings
 from fleet.probes.runner import PROBES, run_probes
 from fleet.remote import HostKeyMismatch, SshKey, connect
 
@@ -166,6 +167,7 @@ class Fleet:
         self.waits = Waits()
         self.watch = InstanceWatch(market, settings.provider.poll_max_interval_s)
         self._headers: dict[str, GgufHeader] = {}
+        self._templates: dict[str, tuple[str | None, str]] = {}
         self._leases: asyncio.Task | None = None
 
     # ---- ownership ----------------------------------------------------------------------------
@@ -226,6 +228,38 @@ class Fleet:
             PlanSettings(int(p.runtime_overhead_mib * MIB), int(p.headroom_mib * MIB)),
         )
 
+    # ---- chat template ----------------------------------------------------------------------
+    async def _template(self, profile: Profile) -> tuple[str | None, str]:
+        """(text, source) of the template llama-server will use: the profile's file, else the model
+        file's own (None when it carries none: llama-server falls back to its default)."""
+        if profile.name not in self._templates:
+            embedded = None
+            if profile.chat_template is None:
+                main = next(f for f in profile.files if f.key == "main")
+                header = await self._header(self.file_url(main.repo, main.revision, main.file))
+                embedded = header.metadata.get("tokenizer.chat_template")
+                if not embedded:
+                    self._templates[profile.name] = (None, "none")
+                    return self._templates[profile.name]
+            self._templates[profile.name] = chat_template.template_text(profile, self.settings.source.parent, embedded)
+        return self._templates[profile.name]
+
+    async def chat_template(self, profile: Profile) -> str | None:
+        """The text of the template fleet puts on the host (the profile's file), or None."""
+        return (await self._template(profile))[0] if profile.chat_template else None
+
+    async def check_template(self, profile: Profile) -> Renderings | None:
+        """The renderings check on the profile's template, here, before anything is rented; raises
+        TemplateError (nothing created) when a shape the profile does not accept breaks the prefix."""
+        text, source = await self._template(profile)
+        if text is None:
+            return None
+        result = await chat_template.check_text(text, chat_template.template_kwargs(profile))
+        reason = chat_template.refusal(profile, source, result)
+        if reason is not None:
+            raise chat_template.TemplateError(reason)
+        return result
+
     # ---- offers ---------------------------------------------------------------------------
     def criteria(
         self,
@@ -274,6 +308,7 @@ class Fleet:
         self.settings.region(request.region)
         run_id = secrets.token_hex(4)
         result = UpResult(run_id=run_id)
+        await self.check_template(profile)
         funnel = await self.offers(request.model, request.region, request.max_price, exclude_unusable=True)
         if request.dry_run:
             result.planned = funnel.passed[: max(request.count, 1) * self.settings.up.max_attempts]

@@ -48,8 +48,10 @@ def with_variant(
     extra_args: list[str] | None = None,
     args: list[str] | None = None,
     on_up: list[str] | None = None,
+    **profile: object,
 ) -> config.Settings:
-    """Add a profile made from `tiny`: another hub file, other llama-server flags, other probes on up."""
+    """Add a profile made from `tiny`: another hub file, other llama-server flags, other probes on up,
+    other profile keys (`chat_template`, `accept_template_breaks`)."""
     tiny = settings.models["tiny"]
     files = [tiny.files[0].model_copy(update={"file": file})] if file else tiny.files
     probes = tiny.probes.model_copy(update={"on_up": on_up}) if on_up is not None else tiny.probes
@@ -59,6 +61,7 @@ def with_variant(
             "files": files,
             "probes": probes,
             "args": [*(args if args is not None else tiny.args), *(extra_args or [])],
+            **profile,
         }
     )
     return settings.model_copy(update={"models": {**settings.models, name: variant}})

@@ -164,7 +164,7 @@ def test_probe_json_and_its_bad_input(env, cloud):
         assert [p["name"] for p in probes] == ["smoke", "keepalive"]
         assert all({"name", "passed", "diagnosis", "metrics"} <= set(p) for p in probes)
         assert probes[0]["metrics"]["first_content_ms"] > 0
-        assert probes[1]["metrics"]["connection_reused"] is False
+        assert probes[1]["metrics"]["connection_reused"] is True
         for args, message in [
             (["probe", host["name"], "--only", "bogus"], "unknown probe bogus"),
             (["probe", "no-such-host"], "no such host: 'no-such-host'"),
@@ -176,3 +176,22 @@ def test_probe_json_and_its_bad_input(env, cloud):
             assert message in one_line_error(bad)
     finally:
         assert fleet(env, "destroy", "--all", "--yes").returncode == 0
+
+
+def test_up_refuses_a_template_that_breaks_the_cache_in_one_line_and_rents_nothing(cloud, tmp_path):
+    rewriting = (
+        "\n[models.tiny-rewrite]\ngpu_ram_gb = 0\ndisk_gb = 10\nslots = 1\nctx_per_slot = 2048\n"
+        'files = [{ key = "main", repo = "fleet-local/tiny-models", file = "tiny-llama-rewriting-template.gguf" }]\n'
+        'args = ["-ngl", "99", "-c", "2048", "-np", "1", "-t", "1", "--jinja"]\n'
+    )
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(write_config(tmp_path, rewriting)),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+    result = fleet(env, "up", "--model", "tiny-rewrite", "--region", "eu")
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "tiny-rewrite: its chat template (the model file's header) breaks the prompt cache: whitespace" in line
+    assert cloud.state()["instances"] == {}
+    assert json.loads(fleet(env, "status", "--json").stdout) == []

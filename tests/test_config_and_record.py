@@ -1,5 +1,6 @@
 """Config validation, the llama-server argv a profile makes, and the schema the migrations build."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlmodel import SQLModel
 
-from fleet import config, db
+from fleet import chat_template, config, db
 from fleet.hostops import server_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +38,68 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
     assert argv[:2] == ["-m", "models/a.gguf"]
     assert argv[argv.index("-md") + 1] == "models/d.gguf"
     assert argv[-4:] == ["--port", "41000", "-a", "a4b"]
+    assert argv[argv.index("--chat-template-file") + 1] == "fleet-run/chat-template.jinja"
     assert not any("{file." in a for a in argv)
+    assert "--chat-template-file" not in server_argv(settings.profile("tiny"), 41000, {"main": "m.gguf"})
+
+
+def test_every_shipped_profile_passes_its_template_check_or_accepts_the_break():
+    settings = config.load(ROOT / "fleet.toml")
+    for name in ("a4b", "12b", "31b", "phonellm"):
+        profile = settings.profile(name)
+        text, source = chat_template.template_text(profile, ROOT, None)
+        result = asyncio.run(chat_template.check_text(text, chat_template.template_kwargs(profile)))
+        assert chat_template.refusal(profile, source, result) is None, name
+    assert settings.profile("phonellm").accept_template_breaks == ["whitespace"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            'chat_template = "gemma 4"',
+            r"models\.tiny\.chat_template: 'gemma 4': a file fleet ships is named NAME\.jinja",
+        ),
+        ('chat_template = ""', r"models\.tiny\.chat_template: an empty name"),
+        (
+            'accept_template_breaks = ["trailing"]',
+            r"models\.tiny\.accept_template_breaks: \['trailing'\]: the turn shapes",
+        ),
+    ],
+)
+def test_bad_template_keys_are_named(tmp_path, line, message):
+    text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]\n', f'"-t", "1", "--jinja"]\n{line}\n', 1)
+    assert line in text
+    (tmp_path / "fleet.toml").write_text(text)
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(tmp_path / "fleet.toml")
+
+
+def test_a_template_that_is_missing_or_does_not_parse_is_one_line(tmp_path):
+    profile = config.load(ROOT / "fleet.toml").profile("tiny")
+    missing = profile.model_copy(update={"chat_template": "no-such.jinja"})
+    with pytest.raises(chat_template.TemplateError, match=r"^models\.tiny\.chat_template: fleet ships no template"):
+        chat_template.template_text(missing, tmp_path, None)
+    mine = profile.model_copy(update={"chat_template": "./mine.jinja"})
+    with pytest.raises(chat_template.TemplateError, match=r"cannot read .*/mine\.jinja: No such file"):
+        chat_template.template_text(mine, tmp_path, None)
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    text, source = chat_template.template_text(mine, tmp_path, None)
+    assert source == str(tmp_path / "mine.jinja")
+    with pytest.raises(chat_template.TemplateError, match=r"^the chat template does not parse: line 1"):
+        asyncio.run(chat_template.check_text(text, {}))
 
 
 def test_profile_may_not_set_what_fleet_sets(tmp_path):
     text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', '"-t", "1", "--api-key", "x"]')
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError, match=r"models\.tiny: args: --api-key is set by fleet"):
+        config.load(tmp_path / "fleet.toml")
+    text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', '"-t", "1", "--chat-template", "x"]')
+    (tmp_path / "fleet.toml").write_text(text)
+    with pytest.raises(
+        config.ConfigError, match=r"--chat-template is set by fleet.*name the template in chat_template"
+    ):
         config.load(tmp_path / "fleet.toml")
 
 

@@ -15,6 +15,8 @@ def test_host_scripts_pass_shellcheck():
     assert shellcheck, "shellcheck is missing: scripts/setup installs it"
     scripts = [
         *(IMAGE / "host").iterdir(),
+        IMAGE / "apply-patches",
+        IMAGE / "patchset-id",
         ROOT / "scripts" / "build-llama-server",
         ROOT / "scripts" / "setup",
         ROOT / ".ci" / "run",

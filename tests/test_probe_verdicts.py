@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 
 from fleet.probes.bench import levels_up_to, percentile, summarize
-from fleet.probes.cache import PrefixBreak, Rewrite, WarmTurn, judge_cache
+from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
 from fleet.probes.keepalive import judge_keepalive
+from fleet.probes.renderings import Glue, PrefixBreak
 from fleet.probes.stream import ChatResult, Connection, SseParser, Timing
 from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal
 
@@ -104,6 +105,22 @@ def test_cache_verdicts():
     rewritten = judge_cache(good, [PrefixBreak("whitespace", 1, 600, 516, " Okay", "Okay,")], None, 24)
     assert not rewritten.passed and "prefix breaks at token 516" in rewritten.diagnosis
     assert rewritten.metrics["prefix_breaks"][0]["shape"] == "whitespace"
+    accepted = judge_cache(
+        good, [PrefixBreak("whitespace", 1, 600, 516, " Okay", "Okay,")], None, 24, (), ["whitespace"]
+    )
+    assert accepted.passed and "accepted breaks: whitespace" in accepted.diagnosis
+
+
+def test_glue_the_template_drops_lets_a_turn_re_process_the_reply_and_no_more():
+    glue = [Glue("plain", "<|channel>thought\n<channel|>", 5)]
+    # 47 appended + the 30-token reply and 5 tokens of glue re-processed: within 24 of allowance
+    turn = WarmTurn(610, 47 + 30 + 5, 528, 47, previous_reply=30)
+    assert not judge_cache([turn], [], None, 24).passed  # without the glue finding it is a break
+    with_glue = judge_cache([turn], [], None, 24, glue)
+    assert with_glue.passed and "re-processes the reply and 5 tokens of glue" in with_glue.diagnosis
+    assert with_glue.metrics["glue"] == {"text": "<|channel>thought\n<channel|>", "tokens": 5, "shapes": ["plain"]}
+    deeper = WarmTurn(610, 47 + 30 + 5 + 25, 503, 47, previous_reply=30)  # 25 more than reply and glue
+    assert not judge_cache([deeper], [], None, 24, glue).passed
 
 
 def test_keepalive_is_reported_and_gates_only_when_asked():

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from fleet.chat_template import TemplateError
 from fleet.lifecycle import UpRequest
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_soon
@@ -40,7 +41,7 @@ async def test_every_probe_passes_on_a_healthy_host_and_is_recorded(tmp_path):
             }, results
             assert results["smoke"].metrics["first_content_ms"] > 0
             assert len(results["cache"].metrics["prompt_n"]) == 3 and results["cache"].metrics["rewrite"]
-            assert results["keepalive"].metrics["connection_reused"] is False  # this llama-server closes
+            assert results["keepalive"].metrics["connection_reused"] is True  # the patch set keeps it open
             assert results["thermal"].metrics["decode_share"] >= 0.8
             assert (tmp_path / "thermal.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
             stored = [r.name for r in fleet.record.probe_runs(host.id)]
@@ -49,15 +50,32 @@ async def test_every_probe_passes_on_a_healthy_host_and_is_recorded(tmp_path):
             await fleet.destroy(None)
 
 
-async def test_up_refuses_a_host_whose_template_rewrites_replies(cloud, tmp_path):
+async def test_up_refuses_a_template_that_rewrites_replies_before_renting(cloud, tmp_path):
     settings = with_variant(settings_for(tmp_path, up={"max_attempts": 2}), "tiny-rewrite", file=REWRITING)
     async with fleet_for(settings) as fleet:
-        result = await fleet.up(UpRequest("tiny-rewrite", "eu"))
-        assert result.ready == []
-        assert [a.phase for a in result.attempts] == ["probes", "probes"]
-        assert all("cache: the template rewrites history (whitespace" in a.reason for a in result.attempts)
-        assert len(fleet.record.blacklist()) == 2
+        with pytest.raises(TemplateError) as refused:
+            await fleet.up(UpRequest("tiny-rewrite", "eu"))
+        assert fleet.record.hosts() == [] and fleet.record.blacklist() == []  # the machines are not at fault
+    message = str(refused.value)
+    assert message.startswith("tiny-rewrite: its chat template (the model file's header) breaks the prompt cache:")
+    assert "whitespace, step 1: the prefix breaks at character" in message and "\n" not in message
+    assert "accept_template_breaks" in message
     assert cloud.state()["instances"] == {}
+
+
+async def test_a_profile_that_accepts_the_break_comes_up_and_the_probe_reports_it(cloud, tmp_path):
+    settings = with_variant(
+        settings_for(tmp_path), "tiny-rewrite", file=REWRITING, accept_template_breaks=["whitespace"]
+    )
+    async with fleet_for(settings) as fleet:
+        host = (await fleet.up(UpRequest("tiny-rewrite", "eu"))).ready[0]
+        try:
+            [cache] = await fleet.probe(host.name, only=["cache"])
+        finally:
+            await fleet.destroy(None)
+    assert cache.passed and "accepted breaks: whitespace" in cache.diagnosis
+    assert [b["shape"] for b in cache.metrics["prefix_breaks"]] == ["whitespace"]
+    assert cache.metrics["prefix_breaks"][0]["at_token"] > 0
 
 
 async def test_cache_probe_catches_a_sliding_window_model_without_checkpoints(tmp_path):

