@@ -121,6 +121,9 @@ def test_glue_the_template_drops_lets_a_turn_re_process_the_reply_and_no_more():
     assert with_glue.metrics["glue"] == {"text": "<|channel>thought\n<channel|>", "tokens": 5, "shapes": ["plain"]}
     deeper = WarmTurn(610, 47 + 30 + 5 + 25, 503, 47, previous_reply=30)  # 25 more than reply and glue
     assert not judge_cache([deeper], [], None, 24, glue).passed
+    # a rewritten reply keeps the prompt up to the glue, which history never had
+    assert judge_cache([turn], [], Rewrite(808, 808 - 24 - 5, 60), 24, glue).passed
+    assert not judge_cache([turn], [], Rewrite(808, 808 - 24 - 5 - 1, 60), 24, glue).passed
 
 
 def test_keepalive_is_reported_and_gates_only_when_asked():

@@ -7,9 +7,10 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from fleet.chat_template import TemplateError
+from fleet.chat_template import TemplateError, bundled
 from fleet.lifecycle import UpRequest
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_soon
@@ -178,3 +179,33 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     assert cli.returncode == 0, cli.stderr
     assert [row["callers"] for row in json.loads(cli.stdout)] == [1, 2]
     assert (tmp_path / "bench.csv").read_text().splitlines()[0].startswith("callers,requests,errors")
+
+
+async def test_a_profiles_chat_template_travels_to_the_host_and_serves(tmp_path):
+    # Gemma's tool declarations are long in the tiny byte vocabulary: a larger context than tiny's
+    args = [
+        "-ngl",
+        "99",
+        "-c",
+        "8192",
+        "-np",
+        "1",
+        "-t",
+        "1",
+        "--jinja",
+        "--chat-template-kwargs",
+        '{"enable_thinking": false}',
+    ]
+    settings = with_variant(settings_for(tmp_path), "tiny-gemma", args=args, chat_template="gemma-4.repaired.jinja")
+    async with fleet_for(settings) as fleet:
+        up = await fleet.up(UpRequest("tiny-gemma", "eu"))
+        assert up.ready, [(a.phase, a.reason) for a in up.attempts]
+        host = up.ready[0]
+        try:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {host.api_key}"}) as client:
+                props = (await client.get(f"{host.api_url}/props")).json()
+            [cache] = [r for r in fleet.record.probe_runs(host.id) if r.name == "cache"]
+        finally:
+            await fleet.destroy(None)
+    assert props["chat_template"].strip() == bundled("gemma-4.repaired.jinja").strip()
+    assert cache.passed and "<|channel>thought" in cache.diagnosis  # the glue is reported, not failed

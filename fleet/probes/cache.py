@@ -78,7 +78,7 @@ def judge_cache(
     for b in breaks:
         if b.shape not in accepted:
             problems.append(f"the template rewrites history ({b.describe()})")
-    if rewrite is not None and rewrite.cache_n < rewrite.prefix_tokens - allowance:
+    if rewrite is not None and rewrite.cache_n < rewrite.prefix_tokens - allowance - (glue_tokens or 0):
         problems.append(
             f"cache lost on a rewritten turn: cache_n {rewrite.cache_n} of {rewrite.prefix_tokens} "
             "(sliding-window or recurrent memory without context checkpoints re-processes everything)"
