@@ -8,10 +8,10 @@ exact prefix of what is rendered after. For a message with tool calls, the rende
 keep each call's arguments in the order the model wrote them.
 
 One thing is reported apart, not as a break: glue at the prompt's end that history does not repeat
-(Gemma 4 with thinking off ends every prompt with an empty thought block, `<|channel>thought\\n<channel|>`,
-and drops it from history). It costs each turn the reply and the glue again, the same few tokens every
-turn (+14 ms on a 3090 in the field), and the template means it: changing it would show the model
-histories it was not trained on.
+(Google's Gemma 4 template with thinking off ends every prompt with an empty thought block,
+`<|channel>thought\\n<channel|>`, and drops it from history). It is not a rewrite of what the model
+said, but it costs every warm turn the model's whole last turn again (+14 ms a turn on a 3090 in the
+field), and where it stands before a rewrite it hides it. fleet's repaired template keeps the block.
 
 The check is pure of I/O: it takes a renderer, so the same check runs against a server's
 `/apply-template` (the cache probe) and against the template text on this machine (fleet/chat_template.py,
