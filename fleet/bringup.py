@@ -205,8 +205,19 @@ class BringUp:
         )
         failed = [r for r in results if not r.passed]
         if failed:
-            raise PhaseFailed("probes", "; ".join(f"{r.name}: {r.diagnosis}" for r in failed))
+            # keep-alive and the prompt cache are the server build's, the template's and the flags' doing:
+            # no other machine would pass them, and this one is not to blame
+            software = all(r.name in SOFTWARE_PROBES for r in failed)
+            reason = "; ".join(f"{r.name}: {r.diagnosis}" for r in failed)
+            raise PhaseFailed(
+                "probes",
+                reason + (" (the same on every machine: fix the image or the profile)" if software else ""),
+                blacklist=not software,
+                retry=not software,
+            )
 
+
+SOFTWARE_PROBES = frozenset({"cache", "keepalive"})
 
 PHASES: tuple[Phase, ...] = (
     Phase("create", HostState.CREATING, None, BringUp.create),

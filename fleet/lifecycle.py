@@ -383,6 +383,9 @@ class Fleet:
                 if not await self._contained_fail(host, e.phase, e.reason, e.blacklist):
                     report.seconds = time.monotonic() - started
                     return f"stopped: the instance of {host.name} could not be destroyed; `fleet reconcile` will"
+                if not e.retry:
+                    report.seconds = time.monotonic() - started
+                    return f"stopped: {e.phase}: {e.reason}"
             except Exception as e:  # anything else: this host's instance goes, its siblings carry on
                 report.outcome, report.phase, report.reason = "failed", host.state, f"{type(e).__name__}: {e}"
                 await self._contained_fail(host, host.state, report.reason, False)

@@ -209,3 +209,23 @@ async def test_a_profiles_chat_template_travels_to_the_host_and_serves(tmp_path)
             await fleet.destroy(None)
     assert props["chat_template"].strip() == bundled("gemma-4.repaired.jinja").strip()
     assert cache.passed and cache.metrics["glue"] is None and cache.metrics["prefix_breaks"] == []
+
+
+async def test_a_probe_that_fails_on_the_software_stops_up_without_blaming_the_machine(cloud, tmp_path):
+    # the sliding-window model without checkpoints loses its cache on any machine: renting the next offer
+    # would fail the same, and the machine is not at fault
+    settings = with_variant(
+        settings_for(tmp_path, up={"max_attempts": 3}),
+        "tiny-swa-trap",
+        file=SWA_TRAP,
+        extra_args=["-ub", "64", "--ctx-checkpoints", "0"],
+        on_up=["cache"],
+    )
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny-swa-trap", "eu"))
+        assert result.ready == [] and len(result.attempts) == 1
+        assert result.attempts[0].phase == "probes" and "cache lost on a rewritten turn" in result.attempts[0].reason
+        assert result.failures[0].startswith("stopped: probes: cache: cache lost on a rewritten turn")
+        assert result.failures[0].endswith("(the same on every machine: fix the image or the profile)")
+        assert fleet.record.blacklist() == []
+    assert cloud.state()["instances"] == {}
