@@ -22,6 +22,7 @@ from rich.table import Table
 
 from fleet import config, rotation
 from fleet.app import open_fleet
+from fleet.capacity import judge_level
 from fleet.errors import BadInput, FleetError
 from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
@@ -348,7 +349,8 @@ def status_cmd(
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """The hosts fleet knows, with state, price and cost so far."""
+    """The hosts fleet knows, with state, price, cost so far, and (once `fleet bench` ran) the callers each
+    holds at its profile's voice target and the cost per voice-minute."""
     settings = load_settings(config_path)
 
     async def go() -> Any:
@@ -363,7 +365,7 @@ def status_cmd(
         out.print("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
         return
     table = Table()
-    for column in ("name", "state", "instance", "GPU", "where", "$/h", "cost $", "endpoint"):
+    for column in ("name", "state", "instance", "GPU", "where", "$/h", "cost $", "callers", "$/voice-min", "endpoint"):
         table.add_column(column, no_wrap=True)
     for h in hosts:
         table.add_row(
@@ -374,6 +376,8 @@ def status_cmd(
             h["geolocation"][-2:],
             f"{h['dph_total']:.3f}",
             f"{h['accrued_usd']:.4f}",
+            "-" if h["capacity"] is None else f"{'>=' if h['capacity_at_least'] else ''}{h['capacity']}",
+            "-" if h["usd_per_voice_minute"] is None else f"{h['usd_per_voice_minute']:.5f}",
             h["endpoint"] or "-",
         )
     out.print(table)
@@ -507,7 +511,9 @@ def bench_cmd(
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """Replay a voice call at 1, 2, 4 ... N concurrent callers and report what callers feel."""
+    """Replay a voice call at growing concurrency (1, 2, 4 ... then halving the gap) up to the most callers
+    the host holds at its profile's voice target; report what callers feel, that capacity and the cost per
+    voice-minute (recorded for `fleet status`)."""
     settings = load_settings(config_path)
     if (callers is not None and callers < 1) or waves < 1 or warmup < 0 or max_tokens < 1:
         fail("--callers, --waves and --max-tokens must be at least 1, --warmup at least 0", 2)
@@ -519,15 +525,17 @@ def bench_cmd(
             except KeyError as e:
                 fail(str(e.args[0]), 2)
 
-    levels = [level.as_dict() for level in run_async(go)]
+    report = run_async(go)
+    levels = [level.as_dict() for level in report.levels]
     if csv_path is not None:
         with csv_path.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(levels[0]))
             writer.writeheader()
             writer.writerows(levels)
     if json_output:
-        print_json(levels)
+        print_json(report.as_dict())
         return
+    target = report.capacity.target
     table = Table(title=f"{host}: a voice call replayed, {waves} measured waves per level")
     for column in (
         "callers",
@@ -538,13 +546,15 @@ def bench_cmd(
         "throughput tok/s",
         "cache reuse",
         "errors",
+        "target",
     ):
         table.add_column(column, no_wrap=True)
 
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else pattern.format(value)
 
-    for level in levels:
+    for level, result in zip(levels, report.levels, strict=True):
+        why = judge_level(result, target)
         table.add_row(
             str(level["callers"]),
             fmt(level["first_content_p50_ms"], "{:.1f}"),
@@ -554,8 +564,20 @@ def bench_cmd(
             fmt(level["throughput_tok_s"], "{:.1f}"),
             fmt(level["cache_reuse"], "{:.0%}"),
             str(level["errors"]),
+            "met" if why is None else f"missed: {why}",
         )
     out.print(table)
+    held = report.capacity
+    out.print(
+        f"capacity: {'at least ' if held.exhausted else ''}{held.callers} concurrent callers at first content "
+        f"p95 <= {target.first_content_p95_ms:g} ms and >= {target.decode_tok_s:g} tok/s per caller"
+        + (f" ({held.callers + 1} missed: {held.why_missed})" if held.why_missed else "")
+    )
+    if report.usd_per_voice_minute is not None:
+        out.print(
+            f"cost: ${report.usd_per_voice_minute:.5f} per voice-minute "
+            f"(${report.effective_usd_per_hour:.4f}/h with traffic, over {held.callers} calls)"
+        )
 
 
 @app.command("health")

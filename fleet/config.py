@@ -146,6 +146,15 @@ class ProfileProbes(Strict):
     thermal_tokens: Annotated[int, Field(ge=8)] = 256
 
 
+class VoiceTarget(Strict):
+    """What a voice caller needs from a warm turn (DOMAIN.md, the workload): first content well under a
+    second, and decode comfortably faster than speech (~4.5 tok/s). `fleet bench` finds how many
+    concurrent callers a host holds while meeting it: the host's capacity."""
+
+    first_content_p95_ms: Annotated[float, Field(gt=0)] = 500
+    decode_tok_s: Annotated[float, Field(gt=0)] = 15
+
+
 class Profile(Strict):
     name: str = ""
     description: str = ""
@@ -162,6 +171,7 @@ class Profile(Strict):
     # turn shapes (fleet/probes/renderings.py) whose prompt-cache break this profile lives with
     accept_template_breaks: list[str] = []
     probes: ProfileProbes = ProfileProbes()
+    voice: VoiceTarget = VoiceTarget()
 
     @field_validator("chat_template")
     @classmethod

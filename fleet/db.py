@@ -19,7 +19,19 @@ from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from fleet.errors import FleetError
 from fleet.market import Offer
-from fleet.models import Attempt, Blacklist, Event, Host, HostState, JobRun, OfferSeen, ProbeRun, sources_of, utcnow
+from fleet.models import (
+    Attempt,
+    BenchRun,
+    Blacklist,
+    Event,
+    Host,
+    HostState,
+    JobRun,
+    OfferSeen,
+    ProbeRun,
+    sources_of,
+    utcnow,
+)
 from fleet.ownership import owner_is_dead, process_owner
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
@@ -302,6 +314,14 @@ class Record:
     def probe_runs(self, host_id: int) -> list[ProbeRun]:
         with session(self.engine) as s:
             return list(s.exec(select(ProbeRun).where(ProbeRun.host_id == host_id).order_by(ProbeRun.id)))
+
+    def latest_bench(self, host_ids: list[int]) -> dict[int, BenchRun]:
+        """Each host's most recent bench run (hosts never benched are absent)."""
+        if not host_ids:
+            return {}
+        with session(self.engine) as s:
+            rows = s.exec(select(BenchRun).where(col(BenchRun.host_id).in_(host_ids)).order_by(col(BenchRun.id)))
+            return {row.host_id: row for row in rows}
 
     def claim_tick(self, job: str, tick: int, daemon: str) -> bool:
         """True for the one caller that gets to run `job` at `tick`; the others find it taken."""

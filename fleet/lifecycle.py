@@ -28,6 +28,7 @@ import httpx
 from fleet import chat_template, failpoints, ggufhead
 from fleet import offers as offer_rules
 from fleet.bringup import SERVICE_PORT, BringUp
+from fleet.capacity import Capacity, capacity, next_level, usd_per_voice_minute
 from fleet.config import Profile, Settings
 from fleet.db import CapReached, Record
 from fleet.errors import FleetError
@@ -36,7 +37,7 @@ from fleet.hostops import PhaseFailed
 from fleet.market import MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
-from fleet.models import LIVE_STATES, Attempt, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.models import LIVE_STATES, Attempt, BenchRun, Blacklist, Host, HostState, ProbeRun, utcnow
 from fleet.ownership import process_owner
 from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import ProbeResult
@@ -89,6 +90,27 @@ class AttemptReport:
     phase: str | None = None
     reason: str | None = None
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """What `fleet bench` found on a host: every level measured, the capacity at the profile's voice
+    target with its evidence, and dollars per concurrent call-minute at that capacity."""
+
+    host: str
+    effective_usd_per_hour: float
+    levels: list[LevelResult]
+    capacity: Capacity
+    usd_per_voice_minute: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "effective_usd_per_hour": self.effective_usd_per_hour,
+            "levels": [lv.as_dict() for lv in self.levels],
+            "capacity": self.capacity.as_dict(),
+            "usd_per_voice_minute": self.usd_per_voice_minute,
+        }
 
 
 @dataclass
@@ -511,12 +533,13 @@ class Fleet:
             if ssh is not None:
                 ssh.close()
 
-    async def bench(
-        self, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int
-    ) -> list[LevelResult]:
+    async def bench(self, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int) -> BenchReport:
+        """Replay the call at growing concurrency, searching for the most callers the host holds at its
+        profile's voice target; record the levels, the capacity and the cost per voice-minute."""
         host = self._serving_host(name)
-        assert host.api_url and host.api_key
-        return await run_bench(
+        assert host.api_url and host.api_key and host.id is not None
+        target = self.settings.profile(host.model).voice
+        levels = await run_bench(
             host.api_url,
             host.api_key,
             load_call(),
@@ -524,7 +547,22 @@ class Fleet:
             waves=waves,
             warmup=warmup,
             max_tokens=max_tokens,
+            search=lambda most: lambda measured: next_level(measured, target, most),
         )
+        held = capacity({lv.callers: lv for lv in levels}, target, max_callers or max(lv.callers for lv in levels))
+        cost = usd_per_voice_minute(host.effective_usd_per_hour, held.callers)
+        self.record.add(
+            BenchRun(
+                host_id=host.id,
+                first_content_p95_ms_target=target.first_content_p95_ms,
+                decode_tok_s_target=target.decode_tok_s,
+                capacity=held.callers,
+                capacity_at_least=held.exhausted,
+                usd_per_voice_minute=cost,
+                levels=json.dumps([lv.as_dict() for lv in levels]),
+            )
+        )
+        return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost)
 
     def _serving_host(self, name: str) -> Host:
         hosts = self.record.hosts(names=[name])
@@ -666,8 +704,23 @@ class Fleet:
 
     # ---- status and reconcile ----------------------------------------------------------------
     def status(self, include_ended: bool = False) -> list[dict[str, Any]]:
+        """Each host's summary, with the capacity and cost per voice-minute of its latest bench (None when
+        it was never benched)."""
         hosts = self.record.hosts() if include_ended else self.record.hosts(states=LIVE_STATES)
-        return [host_summary(h) for h in hosts]
+        benched = self.record.latest_bench([h.id for h in hosts if h.id is not None])
+        rows = []
+        for h in hosts:
+            run = benched.get(h.id) if h.id is not None else None
+            rows.append(
+                {
+                    **host_summary(h),
+                    "effective_usd_per_hour": h.effective_usd_per_hour,
+                    "capacity": run.capacity if run else None,
+                    "capacity_at_least": run.capacity_at_least if run else None,
+                    "usd_per_voice_minute": run.usd_per_voice_minute if run else None,
+                }
+            )
+        return rows
 
     def endpoints(self) -> list[dict[str, Any]]:
         return [

@@ -196,6 +196,23 @@ class ProbeRun(SQLModel, table=True):
     metrics: str = "{}"
 
 
+class BenchRun(SQLModel, table=True):
+    """One `fleet bench` of one host: the target, every level measured (JSON), the capacity found, and what
+    a call-minute costs on the host at that capacity."""
+
+    __tablename__ = "bench_runs"
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="hosts.id", index=True)
+    at: datetime = Field(default_factory=utcnow, index=True)
+    first_content_p95_ms_target: float
+    decode_tok_s_target: float
+    capacity: int
+    capacity_at_least: bool  # every level asked for met the target: the host may hold more
+    usd_per_voice_minute: float | None
+    levels: str = "[]"
+
+
 class JobRun(SQLModel, table=True):
     """A scheduled job's tick, claimed by the one daemon that runs it (several may share PostgreSQL)."""
 

@@ -145,7 +145,8 @@ def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
         )
     db.migrate(engine)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0006"
+        head = max(p.name[:4] for p in (ROOT / "migrations" / "versions").glob("0*.py"))
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == head
         assert conn.execute(text("SELECT name, health_failures FROM hosts")).all() == [("h1", 0)]
         assert conn.execute(text("SELECT count(*) FROM attempts WHERE host_id = 1")).scalar() == 1
         assert conn.execute(text("SELECT count(*) FROM events WHERE host_id = 1")).scalar() == 1

@@ -10,7 +10,9 @@ import sys
 import httpx
 import pytest
 
+from fleet.capacity import judge_level
 from fleet.chat_template import TemplateError, bundled
+from fleet.config import VoiceTarget
 from fleet.lifecycle import UpRequest
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_soon
@@ -151,7 +153,9 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny4", "eu"))).ready[0]
         try:
-            levels = await fleet.bench(host.name, max_callers=None, waves=2, warmup=1, max_tokens=16)
+            report = await fleet.bench(host.name, max_callers=None, waves=2, warmup=1, max_tokens=16)
+            levels = report.levels
+            status = fleet.status()
             cli = subprocess.run(
                 [
                     sys.executable,
@@ -179,8 +183,16 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     assert levels[0].decode_share == 1.0 and all(level.throughput_tok_s > 0 for level in levels)
     assert all(level.cache_reuse and level.cache_reuse > 0.5 for level in levels)
     assert all(level.first_content_p50_ms <= level.first_content_p95_ms for level in levels)
+    # the tiny host meets the default voice target at every level up to its 4 slots
+    assert (report.capacity.callers, report.capacity.exhausted) == (4, True), report.capacity.as_dict()
+    assert report.usd_per_voice_minute == pytest.approx(host.effective_usd_per_hour / 4 / 60)
+    [row] = status
+    assert (row["capacity"], row["capacity_at_least"]) == (4, True)
+    assert row["usd_per_voice_minute"] == pytest.approx(report.usd_per_voice_minute)
     assert cli.returncode == 0, cli.stderr
-    assert [row["callers"] for row in json.loads(cli.stdout)] == [1, 2]
+    answer = json.loads(cli.stdout)
+    assert [row["callers"] for row in answer["levels"]] == [1, 2]
+    assert answer["capacity"]["callers"] == 2 and answer["capacity"]["at_least"] is True
     assert (tmp_path / "bench.csv").read_text().splitlines()[0].startswith("callers,requests,errors")
 
 
@@ -233,3 +245,26 @@ async def test_a_probe_that_fails_on_the_software_stops_up_without_blaming_the_m
         assert result.failures[0].endswith("(the same on every machine: fix the image or the profile)")
         assert fleet.record.blacklist() == []
     assert cloud.state()["instances"] == {}
+
+
+async def test_capacity_is_one_less_than_the_callers_that_first_miss_the_target(cloud, tmp_path):
+    # two slots and long replies: a third caller waits for a whole reply before its first content, far
+    # past the target, while one or two callers are answered at once
+    two_slots = ["-ngl", "99", "-c", "16384", "-np", "2", "-t", "1", "--jinja"]
+    two_slots += ["--override-kv", "llama.context_length=int:8192"]  # room for the replies
+    # (800 tokens take over a second at this CPU build's decode rate; one or two callers' first content, a
+    # few hundred ms at most even with other tests beside it)
+    target = VoiceTarget(first_content_p95_ms=800, decode_tok_s=1)
+    settings = with_variant(settings_for(tmp_path), "tiny2", args=two_slots, on_up=["smoke"], voice=target)
+    async with fleet_for(settings) as fleet:
+        host = (await fleet.up(UpRequest("tiny2", "eu"))).ready[0]
+        try:
+            report = await fleet.bench(host.name, max_callers=4, waves=1, warmup=0, max_tokens=800)
+        finally:
+            await fleet.destroy(None)
+    judged = {lv.callers: judge_level(lv, target) for lv in report.levels}
+    first_missed = min(n for n, why in judged.items() if why is not None)
+    assert report.capacity.callers == first_missed - 1 == 2, judged
+    assert list(judged) == [1, 2, 3, 4]  # 1, 2, 4 doubling; then 3, between the last held and the first missed
+    assert report.capacity.missed.callers == 3 and report.capacity.why_missed.startswith("first content p95")
+    assert report.usd_per_voice_minute == pytest.approx(host.effective_usd_per_hour / 2 / 60)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -146,6 +147,15 @@ def levels_up_to(n: int) -> list[int]:
     return [*out, n]
 
 
+def sweep(most: int) -> Callable[[dict[int, LevelResult]], int | None]:
+    """The plain sweep: 1, 2, 4 ... `most` callers, every level."""
+
+    def choose(measured: dict[int, LevelResult]) -> int | None:
+        return next((n for n in levels_up_to(most) if n not in measured), None)
+
+    return choose
+
+
 async def run_bench(
     base_url: str,
     api_key: str,
@@ -155,14 +165,20 @@ async def run_bench(
     waves: int = 3,
     warmup: int = 1,
     max_tokens: int = 32,
+    search: Callable[[int], Callable[[dict[int, LevelResult]], int | None]] = sweep,
 ) -> list[LevelResult]:
+    """Measure levels of concurrent callers in the order `search(most)` picks them (given what was
+    measured so far) until it says None; the results in order of callers. One caller is measured first:
+    its decode rate is what the others' share is of."""
     call, slots = await fit_call(base_url, api_key, call)
-    results: list[LevelResult] = []
+    most = max_callers or slots
+    choose = search(most)
+    measured: dict[int, LevelResult] = {}
     one_caller: float | None = None
-    for n in levels_up_to(max_callers or slots):
+    while (n := choose(measured) if measured else 1) is not None:
         level = await run_level(base_url, api_key, call, n, waves, warmup, max_tokens, one_caller)
         if n == 1:
             one_caller = level.decode_per_caller_tok_s
             level.decode_share = 1.0 if one_caller else None
-        results.append(level)
-    return results
+        measured[n] = level
+    return [measured[n] for n in sorted(measured)]
