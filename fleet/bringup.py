@@ -158,8 +158,10 @@ class BringUp:
         assert self.conn is not None
         fleet, host = self.fleet, self.host
         first_progress = [True]
+        sizes: dict[str, int] = {}
 
         def progress(name: str, done: int, total: int) -> None:
+            sizes[name] = total
             if first_progress[0] and done:
                 first_progress[0] = False
                 failpoints.reach("mid_pull")
@@ -176,7 +178,7 @@ class BringUp:
                 progress,
                 fleet.settings.timeouts.pull_stall,
             )
-        fleet.record.update(host, pulled_at=utcnow())
+        fleet.record.update(host, pulled_at=utcnow(), pulled_bytes=sum(sizes.values()))
 
     async def start(self) -> None:
         assert self.conn is not None and self.instance is not None

@@ -383,6 +383,64 @@ def status_cmd(
     out.print(table)
 
 
+@app.command("machines")
+def machines_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
+    """What fleet remembers of every marketplace machine it rented: pull rate, time to READY, probe
+    verdicts, one-caller decode, thermal share, capacity, failures by phase and blacklistings."""
+    settings = load_settings(config_path)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            return fleet.machines()
+
+    machines = run_async(go)
+    if json_output:
+        print_json([m.as_dict() for m in machines])
+        return
+    if not machines:
+        out.print("no machine rented yet")
+        return
+    table = Table()
+    for column in (
+        "machine",
+        "GPU",
+        "where",
+        "hosts",
+        "READY",
+        "pull MB/s",
+        "to READY s",
+        "decode tok/s",
+        "thermal",
+        "callers",
+        "probes failed",
+        "failures",
+        "blacklisted",
+    ):
+        table.add_column(column, no_wrap=True)
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    for m in machines:
+        failed = ", ".join(f"{name} {c['failed']}" for name, c in m.probes.items() if c["failed"]) or "-"
+        table.add_row(
+            str(m.machine_id),
+            m.gpu_name,
+            m.geolocation[-2:],
+            str(m.hosts),
+            str(m.ready),
+            fmt(m.pull_mb_s, "{:.1f}"),
+            fmt(m.create_to_ready_s, "{:.0f}"),
+            fmt(m.one_caller_decode_tok_s, "{:.1f}"),
+            fmt(m.thermal_share, "{:.2f}"),
+            fmt(m.capacity, "{}"),
+            failed,
+            ", ".join(f"{phase} {n}" for phase, n in m.failures.items()) or "-",
+            f"{m.blacklistings} ({m.last_blacklist_reason})" if m.blacklistings else "-",
+        )
+    out.print(table)
+
+
 @app.command("endpoints")
 def endpoints_cmd(
     show_keys: Annotated[bool, typer.Option("--show-keys", help="Include each host's API key.")] = False,

@@ -315,6 +315,16 @@ class Record:
         with session(self.engine) as s:
             return list(s.exec(select(ProbeRun).where(ProbeRun.host_id == host_id).order_by(ProbeRun.id)))
 
+    def machine_rows(self) -> tuple[list[Host], list[ProbeRun], list[BenchRun], list[Blacklist]]:
+        """Every row a machine's record is made from (fleet/machines.py), in one read transaction."""
+        with session(self.engine) as s:
+            return (
+                list(s.exec(select(Host))),
+                list(s.exec(select(ProbeRun))),
+                list(s.exec(select(BenchRun))),
+                list(s.exec(select(Blacklist))),
+            )
+
     def latest_bench(self, host_ids: list[int]) -> dict[int, BenchRun]:
         """Each host's most recent bench run (hosts never benched are absent)."""
         if not host_ids:

@@ -34,6 +34,7 @@ from fleet.db import CapReached, Record
 from fleet.errors import FleetError
 from fleet.ggufhead import GgufHeader
 from fleet.hostops import PhaseFailed
+from fleet.machines import MachineRecord, remember
 from fleet.market import MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
@@ -721,6 +722,10 @@ class Fleet:
                 }
             )
         return rows
+
+    def machines(self) -> list[MachineRecord]:
+        """What fleet measured on each marketplace machine it ever rented (fleet/machines.py)."""
+        return remember(*self.record.machine_rows())
 
     def endpoints(self) -> list[dict[str, Any]]:
         return [

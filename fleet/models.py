@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, Float, LargeBinary, Table, Unicode
+from sqlalchemy import BigInteger, Column, Float, LargeBinary, Table, Unicode
 from sqlmodel import Field, SQLModel
 
 
@@ -101,6 +101,8 @@ class Host(SQLModel, table=True):
     running_at: datetime | None = None
     connected_at: datetime | None = None
     pulled_at: datetime | None = None
+    # the model files' size (20 GB does not fit PostgreSQL's INTEGER): with connected_at and pulled_at, the pull rate
+    pulled_bytes: int | None = Field(default=None, sa_type=BigInteger)
     started_at: datetime | None = None
     ready_at: datetime | None = None
     destroyed_at: datetime | None = None
