@@ -47,6 +47,9 @@ StateDir = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+ByPrice = Annotated[
+    bool, typer.Option("--by-price", help="Rank by effective $/h alone, not by expected $/voice-minute.")
+]
 
 
 def one_line(error: FleetError) -> str:
@@ -137,10 +140,13 @@ def offers_cmd(
     region: Region,
     max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h to show.")] = None,
     save: Annotated[bool, typer.Option("--save", help="Write the raw answer into offers/ as a snapshot.")] = False,
+    by_price: ByPrice = False,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """What the marketplace offers that fits: every filter re-checked, ranked by effective $/h."""
+    """What the marketplace offers that fits: every filter re-checked, ranked by the expected cost of a
+    voice-minute (what fleet measured on the machine or its GPU model, else the profile's slots; past
+    failures and time to READY count against it), or by effective $/h with --by-price."""
     settings = load_settings(config_path)
     try:
         profile = settings.profile(model)
@@ -150,21 +156,30 @@ def offers_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
-            return await fleet.offers(model, region, max_price)
+            funnel = await fleet.offers(model, region, max_price)
+            return funnel, fleet.rank(profile, funnel.passed, by_price)
 
-    funnel = run_async(go)
+    funnel, ranked = run_async(go)
     saved = None
     if save:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         saved = Path("offers") / f"snapshot-{model}-{region}-{stamp}.json"
         saved.parent.mkdir(exist_ok=True)
         saved.write_text(json.dumps([o.raw for o in funnel.offers], indent=1, sort_keys=True) + "\n")
-    rows = [offer_row(o, profile) for o in funnel.passed]
+    rows = [{**offer_row(o, profile), "expected": e.as_dict()} for o, e in ranked]
     if json_output:
-        print_json({"offers": rows, "funnel": funnel.as_dict(), "saved": str(saved) if saved else None})
+        print_json(
+            {
+                "offers": rows,
+                "ranked_by": "effective_usd_per_hour" if by_price else "expected_usd_per_voice_minute",
+                "funnel": funnel.as_dict(),
+                "saved": str(saved) if saved else None,
+            }
+        )
         return
-    table = Table(title=f"{model} in {region}: {len(rows)} of {funnel.seen} offers pass")
-    for column in ("offer", "machine", "GPU", "country", "reliab.", "$/h", "eff. $/h", "$/GB"):
+    order = "effective $/h" if by_price else "expected $/voice-minute"
+    table = Table(title=f"{model} in {region}: {len(rows)} of {funnel.seen} offers pass, by {order}")
+    for column in ("offer", "machine", "GPU", "country", "reliab.", "$/h", "eff. $/h", "$/GB", "$/voice-min", "why"):
         table.add_column(column, no_wrap=True)
     for r in rows:
         table.add_row(
@@ -176,6 +191,8 @@ def offers_cmd(
             f"{r['dph_total']:.4f}",
             f"{r['effective_usd_per_hour']:.4f}",
             f"{max(r['inet_up_usd_per_gb'], r['inet_down_usd_per_gb']):.3f}",
+            f"{r['expected']['usd_per_voice_minute']:.5f}",
+            r["expected"]["why"],
         )
     out.print(table)
     out.print(f"funnel: {funnel.seen} offered", highlight=False)
@@ -279,10 +296,12 @@ def up_cmd(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show the offers that would be tried; rent nothing.")
     ] = False,
+    by_price: ByPrice = False,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """Rent the cheapest passing offers and leave llama-server serving on them, verified."""
+    """Rent the best passing offers (by expected $/voice-minute, or $/h with --by-price) and leave
+    llama-server serving on them, verified."""
     settings = load_settings(config_path)
     if count < 1:
         fail("--count must be at least 1", 2)
@@ -296,7 +315,7 @@ def up_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
-            return await fleet.up(UpRequest(model, region, count, max_price, dry_run))
+            return await fleet.up(UpRequest(model, region, count, max_price, dry_run, by_price=by_price))
 
     result = run_async(go)
     attempts = [vars(a) for a in result.attempts]

@@ -47,6 +47,7 @@ from fleet.probes.call import load_call
 from fleet.probes.renderings import Renderings
 from fleet.probes.runner import PROBES, run_probes
 from fleet.remote import HostKeyMismatch, SshKey, connect
+from fleet.selection import Expectation, expect, rank
 
 LABEL_PREFIX = "fleet:"
 T = TypeVar("T")
@@ -76,6 +77,8 @@ class UpRequest:
     dry_run: bool = False
     # only offers whose effective $/h (price plus the profile's traffic) stays under this (a reprice's bound)
     max_effective_price: float | None = None
+    # rank by effective $/h alone, not by the expected cost of a voice-minute (fleet/selection.py)
+    by_price: bool = False
 
 
 @dataclass
@@ -333,12 +336,12 @@ class Fleet:
         result = UpResult(run_id=run_id)
         await self.check_template(profile)
         funnel = await self.offers(request.model, request.region, request.max_price, exclude_unusable=True)
+        ranked = [offer for offer, _ in self.rank(profile, funnel.passed, request.by_price)]
         if request.dry_run:
-            result.planned = funnel.passed[: max(request.count, 1) * self.settings.up.max_attempts]
+            result.planned = ranked[: max(request.count, 1) * self.settings.up.max_attempts]
             return result
         async with self.waits.on("market"):
             await self.market.ensure_ssh_key(self.ssh_key.public)
-        ranked = funnel.passed
         if request.max_effective_price is not None:
             cap = request.max_effective_price
             ranked = [o for o in ranked if offer_rules.effective_price_per_hour(o, profile) <= cap]
@@ -722,6 +725,14 @@ class Fleet:
                 }
             )
         return rows
+
+    def rank(self, profile: Profile, offers: list[Offer], by_price: bool = False) -> list[tuple[Offer, Expectation]]:
+        """The offers with what fleet expects of each (fleet/selection.py), best expected $/voice-minute
+        first; `by_price` keeps the effective $/h order."""
+        seen = {(m.provider_url, m.machine_id): m for m in self.machines()}
+        if by_price:
+            return [(o, expect(o, profile, seen, self.market.url)) for o in offers]
+        return rank(offers, profile, seen, self.market.url)
 
     def machines(self) -> list[MachineRecord]:
         """What fleet measured on each marketplace machine it ever rented (fleet/machines.py)."""
