@@ -22,10 +22,12 @@ from rich.table import Table
 
 from fleet import config, rotation
 from fleet.app import open_fleet
+from fleet.bill import bill
 from fleet.capacity import judge_level
 from fleet.errors import BadInput, FleetError
 from fleet.lifecycle import UpRequest
 from fleet.localcloud import control
+from fleet.models import utcnow
 from fleet.offers import effective_price_per_hour
 from fleet.plan import GIB
 from fleet.probes.runner import PROBES
@@ -509,6 +511,7 @@ def destroy_cmd(
                 fail(str(e.args[0]), 2)
 
     report = run_async(go)
+    session = bill(report.done, utcnow())
     rows = [
         {"name": h.name, "instance_id": h.instance_id, "state": h.state, "accrued_usd": h.accrued_usd}
         for h in report.done
@@ -517,7 +520,7 @@ def destroy_cmd(
         for h in report.busy
     ]
     if json_output:
-        print_json(rows)
+        print_json({"hosts": rows, "bill": session.as_dict()})
     else:
         for h in report.done:
             out.print(
@@ -532,6 +535,22 @@ def destroy_cmd(
             )
         if not rows:
             out.print("nothing to destroy")
+        if session.lines:
+            table = Table(title="the bill")
+            for column in ("host", "GPU", "where", "hours", "rent $", "traffic $", "total $"):
+                table.add_column(column, no_wrap=True)
+            for line in session.lines:
+                table.add_row(
+                    line.host,
+                    line.gpu_name,
+                    line.geolocation[-2:],
+                    f"{line.hours:.3f}",
+                    f"{line.rent_usd:.4f}",
+                    f"{line.traffic_usd:.4f}",
+                    f"{line.total_usd:.4f}",
+                )
+            out.print(table)
+            out.print(f"total: ${session.total_usd:.4f} (traffic at the profiles' expected rates)", highlight=False)
     if report.busy:
         raise typer.Exit(1)
 

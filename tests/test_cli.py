@@ -139,7 +139,15 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
 
     destroyed = fleet(env, "destroy", "--all", "--yes", "--json")
     assert destroyed.returncode == 0, destroyed.stderr
-    assert {h["state"] for h in json.loads(destroyed.stdout)} == {"destroyed"}
+    answer = json.loads(destroyed.stdout)
+    assert {h["state"] for h in answer["hosts"]} == {"destroyed"}
+    lines = answer["bill"]["hosts"]
+    assert sorted(line["host"] for line in lines) == sorted(h["name"] for h in status)
+    assert all(line["hours"] > 0 and line["rent_usd"] > 0 and line["traffic_usd"] > 0 for line in lines)
+    assert answer["bill"]["total_usd"] == pytest.approx(sum(line["total_usd"] for line in lines))
+    for line in lines:  # the rent is what the record closed; traffic is on top, at the profile's rate
+        [closed] = [h for h in answer["hosts"] if h["name"] == line["host"]]
+        assert line["rent_usd"] == closed["accrued_usd"]
     assert cloud.state()["instances"] == {}
     assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
     again = fleet(env, "destroy", "--all", "--yes")
