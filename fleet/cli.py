@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleet import config, rotation
+from fleet import config, report, rotation
 from fleet.app import open_fleet
 from fleet.bill import bill
 from fleet.capacity import judge_level
@@ -402,6 +402,51 @@ def status_cmd(
             h["endpoint"] or "-",
         )
     out.print(table)
+
+
+@app.command("report")
+def report_cmd(
+    since: Annotated[
+        str, typer.Option("--since", help="Hosts created since: 30m, 6h, 2d or an ISO date (UTC).")
+    ] = "24h",
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Where to write report.html and report.md (default: a new folder).")
+    ] = None,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """The benchmark session report: one self-contained HTML page (first content and decode against
+    callers, the thermal series, the cost over time) and a markdown summary per host."""
+    settings = load_settings(config_path)
+    now = utcnow()
+    try:
+        start = report.parse_since(since, now)
+    except BadInput as e:
+        fail(str(e), 2)
+    target = out_dir or Path(f"fleet-report-{now:%Y%m%dT%H%M%SZ}")
+    if target.exists() and not target.is_dir():
+        fail(f"--out {target}: exists and is not a folder", 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings) as fleet:
+            return fleet.session(start)
+
+    session = run_async(go)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "report.md").write_text(report.markdown(session))
+    (target / "report.html").write_text(report.html(session, report.plots(session)))
+    if json_output:
+        print_json(
+            {
+                "html": str(target / "report.html"),
+                "markdown": str(target / "report.md"),
+                "hosts": report.rows(session),
+                "total_usd": session.bill.total_usd,
+            }
+        )
+        return
+    out.print(report.markdown(session), highlight=False)
+    out.print(f"wrote {target / 'report.html'} and {target / 'report.md'}", highlight=False)
 
 
 @app.command("machines")

@@ -47,6 +47,7 @@ from fleet.probes.call import load_call
 from fleet.probes.renderings import Renderings
 from fleet.probes.runner import PROBES, run_probes
 from fleet.remote import HostKeyMismatch, SshKey, connect
+from fleet.report import Session, gather
 from fleet.selection import Expectation, expect, rank
 
 LABEL_PREFIX = "fleet:"
@@ -733,6 +734,11 @@ class Fleet:
         if by_price:
             return [(o, expect(o, profile, seen, self.market.url)) for o in offers]
         return rank(offers, profile, seen, self.market.url)
+
+    def session(self, since: datetime) -> Session:
+        """What the report shows: the hosts created since `since` and what fleet measured on them."""
+        hosts, probe_runs, bench_runs, _ = self.record.machine_rows()
+        return gather(hosts, probe_runs, bench_runs, since, utcnow())
 
     def machines(self) -> list[MachineRecord]:
         """What fleet measured on each marketplace machine it ever rented (fleet/machines.py)."""

@@ -1,0 +1,258 @@
+"""The benchmark session report: one self-contained HTML page with the plots people look at rather than
+read, and a markdown summary beside it.
+
+Plots (PNG, inlined as data URIs, so the page is one file that opens anywhere): first-content p50/p95
+and per-caller decode against concurrent callers, one line per host (each host's latest bench); the
+thermal series (decode rate over the probe, each host's latest thermal run); the session's cost over
+time. The summary, per host: GPU, machine, region, price, probes, capacity, cost per voice-minute and
+what the session cost. Nothing secret goes in: no API key, no endpoint key, only what `fleet status`
+shows without `--show-keys`.
+
+`gather` reads the records (I/O); `markdown` and `html` are pure; `plots` draws with matplotlib.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as html_escape
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fleet.bill import Bill, bill
+from fleet.errors import BadInput
+from fleet.models import BenchRun, Host, ProbeRun
+
+
+@dataclass
+class HostReport:
+    host: Host
+    probes: dict[str, bool] = field(default_factory=dict)  # each probe's latest verdict
+    bench: BenchRun | None = None
+    thermal_rates: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Session:
+    since: datetime
+    until: datetime
+    hosts: list[HostReport]
+    bill: Bill
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """`6h`, `2d`, `30m` before now, or an ISO date or time (UTC when it names no zone)."""
+    if m := re.fullmatch(r"(\d+)([mhd])", text.strip()):
+        unit = {"m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return now - timedelta(**{unit: int(m.group(1))})
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise BadInput(f"--since {text!r}: give 30m, 6h, 2d or an ISO date like 2026-12-01T09:00") from None
+    return _utc(moment)
+
+
+def gather(
+    hosts: list[Host], probe_runs: list[ProbeRun], bench_runs: list[BenchRun], since: datetime, now: datetime
+) -> Session:
+    """The hosts created since `since`, with their latest probe verdicts, bench and thermal series."""
+    chosen = sorted((h for h in hosts if _utc(h.created_at) >= since), key=lambda h: h.created_at)
+    by_id = {h.id: HostReport(h) for h in chosen}
+    for run in sorted(probe_runs, key=lambda r: r.at):
+        if (report := by_id.get(run.host_id)) is None:
+            continue
+        report.probes[run.name] = run.passed
+        if run.name == "thermal":
+            series = json.loads(run.metrics or "{}").get("series") or {}
+            report.thermal_rates = series.get("rates") or report.thermal_rates
+    for bench in sorted(bench_runs, key=lambda b: b.at):
+        if (report := by_id.get(bench.host_id)) is not None:
+            report.bench = bench
+    return Session(since, now, list(by_id.values()), bill(chosen, now))
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _levels(report: HostReport) -> list[dict[str, Any]]:
+    return json.loads(report.bench.levels) if report.bench else []
+
+
+def rows(session: Session) -> list[dict[str, Any]]:
+    """One summary row per host (what the markdown table and the HTML table show)."""
+    lines = {line.host: line for line in session.bill.lines}
+    out = []
+    for r in session.hosts:
+        h, b = r.host, r.bench
+        out.append(
+            {
+                "host": h.name,
+                "gpu": f"{h.num_gpus}x {h.gpu_name}",
+                "machine": h.machine_id,
+                "region": f"{h.region} ({h.geolocation})",
+                "usd_per_hour": h.effective_usd_per_hour,
+                "state": h.state,
+                "probes": ", ".join(f"{n} {'pass' if ok else 'FAIL'}" for n, ok in r.probes.items()) or "-",
+                "capacity": None if b is None else f"{'>=' if b.capacity_at_least else ''}{b.capacity}",
+                "usd_per_voice_minute": None if b is None else b.usd_per_voice_minute,
+                "session_usd": lines[h.name].total_usd,
+            }
+        )
+    return out
+
+
+def _money(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"${value:.{digits}f}"
+
+
+def markdown(session: Session) -> str:
+    table = [
+        "| host | GPU | machine | region | $/h | state | probes | callers | $/voice-min | session cost |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows(session):
+        table.append(
+            f"| {row['host']} | {row['gpu']} | {row['machine']} | {row['region']} | {row['usd_per_hour']:.4f} | "
+            f"{row['state']} | {row['probes']} | {row['capacity'] or '-'} | "
+            f"{_money(row['usd_per_voice_minute'], 5)} | {_money(row['session_usd'])} |"
+        )
+    return "\n".join(
+        [
+            f"# Benchmark session {session.since:%Y-%m-%d %H:%M} to {session.until:%Y-%m-%d %H:%M} UTC",
+            "",
+            f"{len(session.hosts)} host(s); the session cost {_money(session.bill.total_usd)} "
+            "(rent, and traffic at the profiles' expected rates).",
+            "",
+            *table,
+            "",
+            "Callers: the most concurrent callers a host held at its profile's voice target (`fleet bench`).",
+            "",
+        ]
+    )
+
+
+def _png(fig: Any) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def plots(session: Session) -> dict[str, str]:
+    """Each plot's title -> a PNG data URI."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, str] = {}
+    fig, (first, decode) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in session.hosts:
+        levels = _levels(r)
+        callers = [lv["callers"] for lv in levels]
+        if not callers:
+            continue
+        (line,) = first.plot(
+            callers, [lv["first_content_p95_ms"] for lv in levels], marker="o", label=f"{r.host.name} p95"
+        )
+        first.plot(
+            callers,
+            [lv["first_content_p50_ms"] for lv in levels],
+            marker=".",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{r.host.name} p50",
+        )
+        decode.plot(callers, [lv["decode_per_caller_tok_s"] for lv in levels], marker="o", label=r.host.name)
+    first.set(xlabel="concurrent callers", ylabel="first content (ms)", title="first content")
+    decode.set(xlabel="concurrent callers", ylabel="decode per caller (tok/s)", title="decode per caller")
+    for ax in (first, decode):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    out["What callers feel, by concurrent callers"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    for r in session.hosts:
+        if r.thermal_rates:
+            ax.plot(
+                [p["t_s"] for p in r.thermal_rates],
+                [p["tokens_per_s"] for p in r.thermal_rates],
+                marker=".",
+                label=r.host.name,
+            )
+    ax.set(xlabel="seconds into the thermal probe", ylabel="one-caller decode (tok/s)", title="thermal series")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    out["Thermal series"] = _png(fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    events = []  # (time, +rate or -rate) as each host starts and stops billing
+    for r in session.hosts:
+        line = next(ln for ln in session.bill.lines if ln.host == r.host.name)
+        rate = line.total_usd / line.hours if line.hours else 0.0
+        events.append((_utc(r.host.created_at), rate))
+        events.append((_utc(r.host.destroyed_at or session.until), -rate))
+    times, costs, total, rate, last = [], [], 0.0, 0.0, None
+    for moment, change in sorted(events, key=lambda e: e[0]):
+        if last is not None:
+            total += rate * (moment - last).total_seconds() / 3600
+        times.append(moment)
+        costs.append(total)
+        rate, last = rate + change, moment
+    ax.plot(times, costs, drawstyle="default", marker=".")
+    ax.set(xlabel="time (UTC)", ylabel="cost so far ($)", title="the session's cost")
+    ax.grid(alpha=0.3)
+    fig.autofmt_xdate()
+    out["Cost over time"] = _png(fig)
+    plt.close(fig)
+    return out
+
+
+def html(session: Session, images: dict[str, str]) -> str:
+    e = html_escape.escape
+    head = ["host", "GPU", "machine", "region", "$/h", "state", "probes", "callers", "$/voice-min", "session cost"]
+    body = []
+    for row in rows(session):
+        cells = [
+            row["host"],
+            row["gpu"],
+            str(row["machine"]),
+            row["region"],
+            f"{row['usd_per_hour']:.4f}",
+            row["state"],
+            row["probes"],
+            row["capacity"] or "-",
+            _money(row["usd_per_voice_minute"], 5),
+            _money(row["session_usd"]),
+        ]
+        body.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+    figures = "".join(
+        f'<figure><figcaption>{e(title)}</figcaption><img alt="{e(title)}" src="{uri}"></figure>'
+        for title, uri in images.items()
+    )
+    title = f"Benchmark session {session.since:%Y-%m-%d %H:%M} to {session.until:%Y-%m-%d %H:%M} UTC"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }}
+th {{ background: #f3f3f3; }}
+figure {{ margin: 1.5em 0; }} figcaption {{ font-weight: 600; margin-bottom: 0.4em; }}
+img {{ max-width: 100%; }}
+</style></head>
+<body>
+<h1>{e(title)}</h1>
+<p>{len(session.hosts)} host(s); the session cost <strong>{e(_money(session.bill.total_usd))}</strong>
+(rent, and traffic at the profiles' expected rates).</p>
+<table><thead><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr></thead><tbody>{"".join(body)}</tbody></table>
+{figures}
+</body></html>
+"""
