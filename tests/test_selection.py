@@ -45,6 +45,14 @@ def test_failures_hot_cards_and_slow_bring_ups_count_against_a_machine():
     assert "40% of bring-ups READY" in failed.why()
     hot = expect(offer(3, **price), PROFILE, {("local", 103): seen(103, thermal_share=0.5)}, "local")
     assert hot.callers == PROFILE.slots * 0.5 and "thermal share 0.50" in hot.source
+    cheaper_but_hot = {**price, "dph_total": 0.16}  # 20% cheaper per hour, but it kept 45% of its decode
+    ranked = rank(
+        [offer(5, **price), offer(6, **cheaper_but_hot)],
+        PROFILE,
+        {("local", 106): seen(106, thermal_share=0.45)},
+        "local",
+    )
+    assert [o.id for o, _ in ranked] == [5, 6]
     slow = expect(offer(4, **price), PROFILE, {("local", 104): seen(104, create_to_ready_s=7200)}, "local")
     assert slow.usd_per_voice_minute == pytest.approx(clean.usd_per_voice_minute * (1 + 2 / 24))
     assert "120 min to READY" in slow.why()
@@ -78,10 +86,13 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             )
             healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
             hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
+            [thermal] = await fleet.probe(slowed.name, only=["thermal"])
             after = fleet.rank(tiny, pair)
+            remembered = {m.machine_id: m for m in fleet.machines()}
         finally:
             await fleet.destroy(None)
     assert hot.capacity.callers < healthy.capacity.callers, (hot.capacity.as_dict(), healthy.capacity.as_dict())
     cost = {o.machine_id: e.usd_per_voice_minute for o, e in after}
     assert cost[slowed.machine_id] > cost[other.machine_id]
     assert [o.machine_id for o, _ in after] == [other.machine_id, slowed.machine_id]
+    assert not thermal.passed and remembered[slowed.machine_id].thermal_share < 0.8  # the hot card, on record
