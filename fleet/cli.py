@@ -54,6 +54,11 @@ ByPrice = Annotated[
 ]
 
 
+def fmt(value: float | None, pattern: str) -> str:
+    """A table cell: the value in `pattern`, or '-' when there is none."""
+    return "-" if value is None else pattern.format(value)
+
+
 def one_line(error: FleetError) -> str:
     """A fleet error as the one line a user reads: its area (marketplace, plan, ...) or its kind, then why."""
     if error.prefix:
@@ -484,9 +489,6 @@ def machines_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) 
     ):
         table.add_column(column, no_wrap=True)
 
-    def fmt(value: float | None, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
-
     for m in machines:
         failed = ", ".join(f"{name} {c['failed']}" for name, c in m.probes.items() if c["failed"]) or "-"
         table.add_row(
@@ -690,9 +692,6 @@ def bench_cmd(
         "target",
     ):
         table.add_column(column, no_wrap=True)
-
-    def fmt(value: float | None, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
 
     for level, result in zip(levels, report.levels, strict=True):
         why = judge_level(result, target)
