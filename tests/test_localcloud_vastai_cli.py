@@ -117,3 +117,82 @@ async def ssh_echo(url: str, key) -> str:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+def show(vastai_bin, env, cloud, instance_id: int) -> dict | None:
+    time.sleep(SHOW_INTERVAL_S)
+    shown = vastai(vastai_bin, env, cloud, "show", "instance", str(instance_id), "--raw")
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout) if shown.stdout.strip().startswith("{") else None
+
+
+def wait_for(vastai_bin, env, cloud, instance_id: int, status: str, within_s: float = 40) -> dict:
+    deadline = time.monotonic() + within_s
+    while True:
+        row = show(vastai_bin, env, cloud, instance_id)
+        if row and row["actual_status"] == status:
+            return row
+        assert time.monotonic() < deadline, row and (row["actual_status"], row["status_msg"])
+
+
+async def ssh_run(port: int, key, command: str) -> str:
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            async with asyncssh.connect(
+                "127.0.0.1", port=port, username="root", client_keys=[str(key)], known_hosts=None
+            ) as conn:
+                return (await conn.run(command, check=True)).stdout.strip()
+        except (asyncssh.PermissionDenied, OSError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def test_vastai_cli_stop_keeps_the_disk_and_bills_it_start_boots_again(cloud, vastai_bin, vastai_env, ssh_keypair):
+    found = vastai(vastai_bin, vastai_env, cloud, "search", "offers", "direct_port_count >= 2", "-o", "dph", "--raw")
+    offer = json.loads(found.stdout)[0]
+    assert vastai(vastai_bin, vastai_env, cloud, "create", "ssh-key", ssh_keypair[1]).returncode == 0
+    time.sleep(1.1)
+    created = vastai(
+        vastai_bin, vastai_env, cloud, "create", "instance", str(offer["id"]), "--image", "fleet/llama-server:test",
+        "--disk", "20", "--env", "-p 22:22", "--ssh", "--direct", "--raw",
+        "--onstart-cmd", "date >> /root/onstart-runs",
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    instance_id = json.loads(created.stdout)["new_contract"]
+    running = wait_for(vastai_bin, vastai_env, cloud, instance_id, "running")
+    port = int(running["ports"]["22/tcp"][0]["HostPort"])
+    asyncio.run(ssh_run(port, ssh_keypair[0], "echo weights > /root/kept"))
+    token = cloud.state()["instances"][str(instance_id)]["token"]
+    try:
+        stopped = vastai(vastai_bin, vastai_env, cloud, "stop", "instance", str(instance_id))
+        assert stopped.returncode == 0 and f"stopping instance {instance_id}" in stopped.stdout, stopped.stderr
+        row = wait_for(vastai_bin, vastai_env, cloud, instance_id, "stopped")
+        assert (row["intended_status"], row["cur_state"], row["ports"]) == ("stopped", "stopped", None)
+        assert host_processes(cloud.info.state_dir, instance_id, token) == []  # nothing runs, nothing answers
+        kinds = [c for c in cloud.state()["charges"] if c["instance_id"] == instance_id]
+        assert [(c["kind"], c["end"] is None) for c in kinds] == [("gpu", False), ("storage", True)]
+        assert 0 < kinds[1]["dph_total"] < row["dph_total"]  # the disk alone keeps billing
+
+        # another renter takes the GPU meanwhile: the start waits in scheduling until it is free again
+        cloud.set_faults({"gpu_taken": [offer["machine_id"]]})
+        time.sleep(1.1)
+        started = vastai(vastai_bin, vastai_env, cloud, "start", "instance", str(instance_id))
+        assert started.returncode == 0 and f"starting instance {instance_id}" in started.stdout, started.stderr
+        waiting = wait_for(vastai_bin, vastai_env, cloud, instance_id, "scheduling")
+        assert "waiting for the machine's GPU" in waiting["status_msg"]
+        assert show(vastai_bin, vastai_env, cloud, instance_id)["actual_status"] == "scheduling"
+        cloud.set_faults({})
+        again = wait_for(vastai_bin, vastai_env, cloud, instance_id, "running")
+        new_port = int(again["ports"]["22/tcp"][0]["HostPort"])
+        assert new_port != port  # a restarted container is mapped anew
+        # the disk was kept, and the platform's init ran onstart again
+        assert asyncio.run(ssh_run(new_port, ssh_keypair[0], "cat /root/kept; wc -l < /root/onstart-runs")) == (
+            "weights\n2"
+        )
+    finally:
+        cloud.set_faults({})
+        time.sleep(SHOW_INTERVAL_S)
+        vastai(vastai_bin, vastai_env, cloud, "destroy", "instance", str(instance_id), "-y")
+    assert host_processes(cloud.info.state_dir, instance_id, token) == []

@@ -122,6 +122,7 @@ class Charge:
     start: float
     end: float | None
     dph_total: float
+    kind: str = "gpu"  # gpu: the whole hourly price while it runs; storage: the disk alone while stopped
 
     def amount(self, now: float) -> float:
         return self.dph_total * ((self.end or now) - self.start) / 3600.0
@@ -387,11 +388,12 @@ class Cloud:
         inst.status, inst.status_msg = status, msg
         self.save()
 
-    async def _boot(self, inst: Instance) -> None:
+    async def _boot(self, inst: Instance, restart: bool = False) -> None:
         # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
         # the boot looks whether the instance was destroyed meanwhile and, if so, ends what it started.
         third = self.settings.provision_delay_s / 3
-        for status, msg in ((None, None), ("scheduling", "Scheduling instance"), ("created", "Container created")):
+        steps = ((None, None), ("scheduling", "Scheduling instance"), ("created", "Container created"))
+        for status, msg in steps[1:] if restart else steps:
             self._set_status(inst, status, msg)
             await asyncio.sleep(third)
             if inst.id not in self.state.instances:
@@ -583,10 +585,65 @@ class Cloud:
         if "state" in body:
             if body["state"] not in ("running", "stopped"):
                 raise ApiError(400, "invalid_args", "Invalid args: state must be running or stopped")
-            inst.intended_status = body["state"]
-            self.save()
+            if body["state"] != inst.intended_status:
+                inst.intended_status = body["state"]
+                self.save()
+                step = self._stop if body["state"] == "stopped" else self._start
+                task = asyncio.get_running_loop().create_task(step(inst), name=f"{body['state']}-{inst.id}")
+                self._tasks.setdefault(inst.id, []).append(task)
             return {"success": True}
         raise ApiError(400, "invalid_args", "Invalid args: nothing to change")
+
+    async def _stop(self, inst: Instance) -> None:
+        """Stop: the host's processes end and its network goes, its disk stays; the GPU price stops and the
+        disk's goes on (vast.ai: "Disk charges continue; no GPU charges")."""
+        while inst.id in self.state.instances and self._booting(inst):
+            await asyncio.sleep(0.1)  # a boot in flight ends first: its steps cannot be cut short
+        if inst.id not in self.state.instances or inst.intended_status != "stopped" or inst.status == "stopped":
+            return
+        await asyncio.to_thread(self.host_for(inst).stop)
+        net = self._networks.pop(inst.id, None)
+        if net is not None:
+            await net.stop()
+        now = time.time()
+        for charge in self.state.charges:
+            if charge.instance_id == inst.id and charge.end is None:
+                charge.end = now
+        disk = float(inst.offer.get("storage_total_cost") or 0.0)
+        self.state.charges.append(Charge(inst.id, inst.label, now, None, disk, kind="storage"))
+        inst.running_at = None
+        self._set_status(inst, "stopped", "Instance stopped")
+        log.info("stopped instance %s", inst.id)
+
+    def _booting(self, inst: Instance) -> bool:
+        return any(t.get_name() == f"boot-{inst.id}" and not t.done() for t in self._tasks.get(inst.id, []))
+
+    async def _start(self, inst: Instance) -> None:
+        """Start a stopped instance: it waits in `scheduling` while its machine's GPU is taken, then boots
+        through the platform's init and onstart again, on its kept disk, with new external ports (a
+        restarted container is mapped anew); the GPU price runs again."""
+        while inst.id in self.state.instances and inst.status != "stopped":
+            if inst.intended_status != "running":
+                return
+            await asyncio.sleep(0.1)  # a stop in flight ends first
+        if inst.id not in self.state.instances or inst.intended_status != "running":
+            return
+        self._set_status(inst, "scheduling", "Scheduling instance: waiting for the machine's GPU")
+        while inst.machine_id in self.faults.gpu_taken:
+            await asyncio.sleep(0.2)
+            if inst.id not in self.state.instances or inst.intended_status != "running":
+                return
+        now = time.time()
+        for charge in self.state.charges:
+            if charge.instance_id == inst.id and charge.end is None:
+                charge.end = now
+        self.state.charges.append(Charge(inst.id, inst.label, now, None, inst.dph_total))
+        inst.ssh_port = network.free_port(network.PROXY_HOST)
+        inst.ports = {key: network.free_port() for key in inst.ports}
+        boot = asyncio.current_task()
+        if boot is not None:
+            boot.set_name(f"boot-{inst.id}")  # a stop now waits for this boot, as for the first one
+        await self._boot(inst, restart=True)
 
     async def destroy(self, instance_id: int) -> None:
         if instance_id not in self.state.instances:
@@ -636,8 +693,8 @@ class Cloud:
             "id": inst.id,
             "actual_status": self._heartbeat(inst, now) or inst.status,
             "intended_status": inst.intended_status,
-            "cur_state": "running",
-            "next_state": "running",
+            "cur_state": "stopped" if inst.status == "stopped" else "running",
+            "next_state": inst.intended_status,
             "status_msg": inst.status_msg,
             "label": inst.label,
             "machine_id": inst.machine_id,
@@ -786,7 +843,7 @@ class Cloud:
                     "metadata": {"label": c.label, "instance_id": c.instance_id, "ongoing": c.end is None},
                     "items": [
                         {
-                            "type": "gpu",
+                            "type": c.kind,
                             "description": f"{hours:.3f} hours at ${c.dph_total:.4f}/hour",
                             "amount": c.amount(now),
                         }
@@ -834,7 +891,7 @@ class Cloud:
     async def resume_hosts(self) -> None:
         """After a restart, boot again every instance that was live (as a host reboot would)."""
         for inst in list(self.state.instances.values()):
-            if inst.status != "exited":
+            if inst.status not in ("exited", "stopped"):
                 inst.status, inst.running_at = None, None
                 self.start_host(inst)
         self.save()

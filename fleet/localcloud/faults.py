@@ -95,6 +95,9 @@ class Faults:
     freeze_server: list[int] = field(
         default_factory=list
     )  # machines (set before renting) whose llama-server never starts
+    # machines whose GPU another renter took while our instance there was stopped: a start waits in
+    # `scheduling` until the fault is cleared (vast.ai: "subject to resource availability on the machine")
+    gpu_taken: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -122,6 +125,7 @@ class Faults:
             offline_after_s={int(k): float(v) for k, v in data.get("offline_after_s", {}).items()},
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
+            gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
         )
 
     def to_dict(self) -> dict[str, Any]:
