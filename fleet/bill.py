@@ -5,9 +5,9 @@ benchmark session closes with its numbers. Pure."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
-from fleet.models import Host
+from fleet.models import Host, as_utc, utcnow
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,23 @@ class Bill:
         return {"hosts": [asdict(line) for line in self.lines], "total_usd": self.total_usd}
 
 
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+def hours_billed(host: Host, now: datetime | None = None) -> float:
+    """From the host's create to its destroy (or `now` while it still bills)."""
+    end = host.destroyed_at or now or utcnow()
+    return max((as_utc(end) - as_utc(host.created_at)).total_seconds(), 0.0) / 3600
+
+
+def accrued_usd(host: Host, now: datetime | None = None) -> float:
+    """What the host's rent came to: its $/h over the hours billed."""
+    return host.dph_total * hours_billed(host, now)
 
 
 def bill(hosts: list[Host], now: datetime) -> Bill:
     """Each host's cost from its create to its destroy (or `now` while it still bills)."""
     lines = []
     for h in hosts:
-        hours = max((_utc(h.destroyed_at or now) - _utc(h.created_at)).total_seconds(), 0.0) / 3600
-        rent = h.accrued_usd if h.accrued_usd is not None else h.dph_total * hours  # closed: what the record says
+        hours = hours_billed(h, now)
+        rent = h.accrued_usd if h.accrued_usd is not None else accrued_usd(h, now)  # closed: what the record says
         traffic = max(h.effective_usd_per_hour - h.dph_total, 0.0) * hours
         lines.append(BillLine(h.name, h.gpu_name, h.geolocation, hours, rent, traffic, rent + traffic))
     return Bill(lines, sum(line.total_usd for line in lines))

@@ -35,13 +35,12 @@ def bundled(name: str) -> str:
     return resources.files("fleet.templates").joinpath(name).read_text()
 
 
-def template_text(profile: Profile, config_dir: Path, gguf_template: str | None) -> tuple[str, str]:
-    """(text, where it came from) of the template llama-server will use for this profile."""
+def template_text(profile: Profile, config_dir: Path, gguf_template: str | None) -> tuple[str | None, str]:
+    """(text, where it came from) of the template llama-server will use for this profile: the profile's
+    file, else the model file's own (None when it carries none: llama-server falls back to its default)."""
     name = profile.chat_template
     if name is None:
-        if not gguf_template:
-            raise TemplateError(f"{profile.name}: the model file carries no chat template and the profile names none")
-        return gguf_template, "the model file's header"
+        return (gguf_template, "the model file's header") if gguf_template else (None, "none")
     if "/" not in name:
         try:
             return bundled(name), f"fleet/templates/{name}"

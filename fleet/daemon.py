@@ -34,8 +34,9 @@ from sqlmodel import select
 
 from fleet import config, db, rotation
 from fleet.app import open_fleet
+from fleet.bill import accrued_usd
 from fleet.errors import FleetError
-from fleet.lifecycle import Fleet, accrued_usd
+from fleet.lifecycle import Fleet
 from fleet.models import LIVE_STATES, Event, HostState, ProbeRun
 
 log = logging.getLogger("fleet.daemon")

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -27,6 +27,7 @@ import httpx
 
 from fleet import chat_template, failpoints, ggufhead
 from fleet import offers as offer_rules
+from fleet.bill import accrued_usd
 from fleet.bringup import SERVICE_PORT, BringUp
 from fleet.capacity import Capacity, capacity, next_level, usd_per_voice_minute
 from fleet.config import Profile, Settings
@@ -38,7 +39,7 @@ from fleet.machines import MachineRecord, remember
 from fleet.market import MarketError, Offer, OfferGone
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
-from fleet.models import LIVE_STATES, Attempt, BenchRun, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.models import LIVE_STATES, Attempt, BenchRun, Blacklist, Host, HostState, ProbeRun, as_utc, utcnow
 from fleet.ownership import process_owner
 from fleet.plan import GIB, MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import ProbeResult
@@ -163,16 +164,6 @@ class OfferPicker:
         self._held.discard(offer.machine_id)
 
 
-def accrued_usd(host: Host, now: datetime | None = None) -> float:
-    end = host.destroyed_at or now or utcnow()
-    start = host.created_at
-    if start.tzinfo is None:
-        start = start.replace(tzinfo=UTC)
-    if end.tzinfo is None:
-        end = end.replace(tzinfo=UTC)
-    return host.dph_total * max((end - start).total_seconds(), 0.0) / 3600.0
-
-
 class Fleet:
     """The library behind every command; the CLI, the scheduler and the tests call these methods."""
 
@@ -265,9 +256,6 @@ class Fleet:
                 main = next(f for f in profile.files if f.key == "main")
                 header = await self._header(self.file_url(main.repo, main.revision, main.file))
                 embedded = header.metadata.get("tokenizer.chat_template")
-                if not embedded:
-                    self._templates[profile.name] = (None, "none")
-                    return self._templates[profile.name]
             self._templates[profile.name] = chat_template.template_text(profile, self.settings.source.parent, embedded)
         return self._templates[profile.name]
 
@@ -638,9 +626,7 @@ class Fleet:
         """After a create whose answer we did not get: find the instance by our label and adopt it (the caller
         destroys it). vast.ai's reads lag its create, so an empty answer is asked again until
         timeouts.instance_visible has passed since the request left."""
-        sent = host.create_sent_at or utcnow()
-        sent = sent if sent.tzinfo else sent.replace(tzinfo=UTC)
-        waited = (utcnow() - sent).total_seconds()
+        waited = (utcnow() - as_utc(host.create_sent_at or utcnow())).total_seconds()
         deadline = time.monotonic() + max(self.settings.timeouts.instance_visible - waited, 0.0)
         while True:
             async with self.waits.on("market"):
@@ -719,7 +705,6 @@ class Fleet:
             rows.append(
                 {
                     **host_summary(h),
-                    "effective_usd_per_hour": h.effective_usd_per_hour,
                     "capacity": run.capacity if run else None,
                     "capacity_at_least": run.capacity_at_least if run else None,
                     "usd_per_voice_minute": run.usd_per_voice_minute if run else None,

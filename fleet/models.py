@@ -17,6 +17,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """A stored time as an aware UTC one (SQLite hands back naive datetimes)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 class HostState(enum.StrEnum):
     """One name per state; the order is the path a host takes."""
 
@@ -122,8 +127,7 @@ class Host(SQLModel, table=True):
 
 def host_age_s(host: Host) -> float:
     """Seconds since the host's intent was written."""
-    created = host.created_at if host.created_at.tzinfo else host.created_at.replace(tzinfo=UTC)
-    return (utcnow() - created).total_seconds()
+    return (utcnow() - as_utc(host.created_at)).total_seconds()
 
 
 class Attempt(SQLModel, table=True):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from fleet.bill import accrued_usd
 from fleet.market import FAILED, Instance, MarketError
 from fleet.models import Host, HostState, host_age_s, utcnow
 
@@ -68,8 +69,6 @@ async def _settle(
 ) -> int:
     """Bring one open host (owned by us now) to where the marketplace says it is. Returns 1 when show found
     an instance the listing lacked."""
-    from fleet.lifecycle import accrued_usd
-
     # vast.ai's reads lag create: an instance never yet seen running may simply not be listed yet.
     young = host.running_at is None and host_age_s(host) < fleet.settings.timeouts.instance_visible
     if host.instance_id is None:

@@ -19,12 +19,12 @@ import io
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from fleet.bill import Bill, bill
 from fleet.errors import BadInput
-from fleet.models import BenchRun, Host, ProbeRun
+from fleet.models import BenchRun, Host, ProbeRun, as_utc
 
 
 @dataclass
@@ -52,14 +52,14 @@ def parse_since(text: str, now: datetime) -> datetime:
         moment = datetime.fromisoformat(text.strip())
     except ValueError:
         raise BadInput(f"--since {text!r}: give 30m, 6h, 2d or an ISO date like 2026-12-01T09:00") from None
-    return _utc(moment)
+    return as_utc(moment)
 
 
 def gather(
     hosts: list[Host], probe_runs: list[ProbeRun], bench_runs: list[BenchRun], since: datetime, now: datetime
 ) -> Session:
     """The hosts created since `since`, with their latest probe verdicts, bench and thermal series."""
-    chosen = sorted((h for h in hosts if _utc(h.created_at) >= since), key=lambda h: h.created_at)
+    chosen = sorted((h for h in hosts if as_utc(h.created_at) >= since), key=lambda h: h.created_at)
     by_id = {h.id: HostReport(h) for h in chosen}
     for run in sorted(probe_runs, key=lambda r: r.at):
         if (report := by_id.get(run.host_id)) is None:
@@ -72,10 +72,6 @@ def gather(
         if (report := by_id.get(bench.host_id)) is not None:
             report.bench = bench
     return Session(since, now, list(by_id.values()), bill(chosen, now))
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _levels(report: HostReport) -> list[dict[str, Any]]:
@@ -136,9 +132,20 @@ def markdown(session: Session) -> str:
 
 
 def _png(fig: Any) -> str:
+    """The figure as a PNG data URI; the figure is closed."""
+    import matplotlib.pyplot as plt
+
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _dress(*axes: Any) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
 
 
 def plots(session: Session) -> dict[str, str]:
@@ -169,12 +176,8 @@ def plots(session: Session) -> dict[str, str]:
         decode.plot(callers, [lv["decode_per_caller_tok_s"] for lv in levels], marker="o", label=r.host.name)
     first.set(xlabel="concurrent callers", ylabel="first content (ms)", title="first content")
     decode.set(xlabel="concurrent callers", ylabel="decode per caller (tok/s)", title="decode per caller")
-    for ax in (first, decode):
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+    _dress(first, decode)
     out["What callers feel, by concurrent callers"] = _png(fig)
-    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(11, 3.5))
     for r in session.hosts:
@@ -186,19 +189,16 @@ def plots(session: Session) -> dict[str, str]:
                 label=r.host.name,
             )
     ax.set(xlabel="seconds into the thermal probe", ylabel="one-caller decode (tok/s)", title="thermal series")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    _dress(ax)
     out["Thermal series"] = _png(fig)
-    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(11, 3.5))
     events = []  # (time, +rate or -rate) as each host starts and stops billing
     for r in session.hosts:
         line = next(ln for ln in session.bill.lines if ln.host == r.host.name)
         rate = line.total_usd / line.hours if line.hours else 0.0
-        events.append((_utc(r.host.created_at), rate))
-        events.append((_utc(r.host.destroyed_at or session.until), -rate))
+        events.append((as_utc(r.host.created_at), rate))
+        events.append((as_utc(r.host.destroyed_at or session.until), -rate))
     times, costs, total, rate, last = [], [], 0.0, 0.0, None
     for moment, change in sorted(events, key=lambda e: e[0]):
         if last is not None:
@@ -211,7 +211,6 @@ def plots(session: Session) -> dict[str, str]:
     ax.grid(alpha=0.3)
     fig.autofmt_xdate()
     out["Cost over time"] = _png(fig)
-    plt.close(fig)
     return out
 
 

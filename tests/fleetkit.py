@@ -78,3 +78,14 @@ def write_config(tmp: Path, extra: str = "") -> Path:
     path = tmp / "fleet.toml"
     path.write_text(text + extra)
     return path
+
+
+async def ranked_offers(settings: config.Settings) -> list:
+    """The offers `fleet up --model tiny --region eu` would try, in its order."""
+    async with fleet_for(settings) as fleet:
+        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed
+
+
+async def first_machine(settings: config.Settings) -> int:
+    """The machine `fleet up` would rent first."""
+    return (await ranked_offers(settings))[0].machine_id

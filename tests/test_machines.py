@@ -11,8 +11,7 @@ from datetime import timedelta
 from fleet.lifecycle import UpRequest
 from fleet.machines import remember
 from fleet.models import BenchRun, Blacklist, Host, HostState, ProbeRun, utcnow
-from tests.fleetkit import fleet_for, settings_for, write_config
-from tests.test_up import ranked_offers
+from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
 
 T0 = utcnow()
 

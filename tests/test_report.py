@@ -31,7 +31,7 @@ async def test_the_session_report_renders_in_a_browser_with_its_plots_and_no_key
     async with fleet_for(settings_for(tmp_path)) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         try:
-            await fleet.probe(host.name, only=["thermal"])
+            [thermal] = await fleet.probe(host.name, only=["thermal"])
             await fleet.bench(host.name, max_callers=1, waves=1, warmup=0, max_tokens=16)
         finally:
             await fleet.destroy(None)
@@ -49,7 +49,8 @@ async def test_the_session_report_renders_in_a_browser_with_its_plots_and_no_key
     [row] = answer["hosts"]
     assert (row["host"], row["capacity"], row["state"]) == (host.name, ">=1", "destroyed")
     assert row["usd_per_voice_minute"] > 0 and row["session_usd"] == pytest.approx(answer["total_usd"])
-    assert "thermal pass" in row["probes"] and "smoke pass" in row["probes"]
+    # the verdicts the record holds (a tiny host's thermal verdict moves with this machine's load)
+    assert f"thermal {'pass' if thermal.passed else 'FAIL'}" in row["probes"] and "smoke pass" in row["probes"]
 
     page, summary = (out / "report.html").read_text(), (out / "report.md").read_text()
     assert f"| {host.name} | 1x {host.gpu_name} |" in summary

@@ -9,10 +9,9 @@ from fleet.lifecycle import UpRequest
 from fleet.machines import MachineRecord
 from fleet.offers import effective_price_per_hour
 from fleet.selection import expect, rank
-from tests.fleetkit import fleet_for, settings_for
+from tests.fleetkit import fleet_for, ranked_offers, settings_for
 from tests.helpers import sag_soon
 from tests.test_offers import PROFILE, offer
-from tests.test_up import ranked_offers
 
 
 def seen(machine: int, **kw) -> MachineRecord:

@@ -11,7 +11,7 @@ import pytest
 
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState
-from tests.fleetkit import fleet_for, settings_for, with_variant
+from tests.fleetkit import fleet_for, ranked_offers, settings_for, with_variant
 from tests.helpers import cheapest_offer, destroy, host_processes, listed_instances, rent
 
 
@@ -23,11 +23,6 @@ def _local_cloud(local_cloud_env):
 async def live_instances(cloud) -> list[dict]:
     async with cloud.client() as api:
         return await listed_instances(api)
-
-
-async def ranked_offers(settings) -> list:
-    async with fleet_for(settings) as fleet:
-        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed
 
 
 async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):

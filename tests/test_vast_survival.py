@@ -14,7 +14,7 @@ from fleet import rotation
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState, utcnow
 from fleet.offers import effective_price_per_hour
-from tests.fleetkit import fleet_for, settings_for, write_config
+from tests.fleetkit import first_machine, fleet_for, settings_for, write_config
 from tests.helpers import listed_instances, polite
 
 CALLS_PER_HOST = 40  # issue 9's bar for `up` on the strict cloud
@@ -23,11 +23,6 @@ CALLS_PER_HOST = 40  # issue 9's bar for `up` on the strict cloud
 @pytest.fixture(autouse=True)
 def _local_cloud(local_cloud_env):
     yield
-
-
-async def first_machine(settings) -> int:
-    async with fleet_for(settings) as fleet:
-        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
 
 
 async def test_count_four_comes_up_without_a_429_and_within_the_call_budget(cloud, tmp_path):

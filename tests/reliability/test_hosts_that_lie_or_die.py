@@ -13,18 +13,13 @@ from fleet.localcloud import control
 from fleet.models import HostState
 from fleet.remote import HostKeyMismatch
 from tests.conftest import CloudHandle, _stop_and_check
-from tests.fleetkit import fleet_for, settings_for, with_variant
+from tests.fleetkit import first_machine, fleet_for, settings_for, with_variant
 from tests.helpers import listed_instances
 
 
 @pytest.fixture(autouse=True)
 def _local_cloud(local_cloud_env):
     yield
-
-
-async def first_machine(settings) -> int:
-    async with fleet_for(settings) as fleet:
-        return (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed[0].machine_id
 
 
 async def assert_next_offer_served(fleet, result, machine: int, phase: str, words: str, within_s: float) -> None:
