@@ -4,7 +4,8 @@
 - per slot: the KV cache of each attention layer (its own KV heads and head sizes; a windowed layer
   keeps only the window plus one micro-batch of cells unless --swa-full), at the cache type's size,
   plus the fixed recurrent state (f32) of each recurrent layer, whatever the context;
-- the draft model's own weights and cache, a runtime overhead and a headroom from fleet.toml.
+- the draft model's own weights and cache (none for a draft that reads the target's, as Gemma 4's MTP
+  head does), a runtime overhead and a headroom from fleet.toml.
 Pure functions over parsed headers; reading the headers is ggufhead.py's job.
 """
 
@@ -36,6 +37,10 @@ CACHE_TYPES = {
 # Architectures whose windowed layers follow a period (llama.cpp's set_swa_pattern) when the file
 # has no per-layer pattern: every `period`-th layer is global.
 SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4}
+# Draft architectures that keep no KV cache of their own: llama.cpp points each of their layers at one of
+# the target's (llama-model.cpp create_memory: a gemma4-assistant layer shares the target's last windowed
+# or last global layer). Their per-slot cost is nothing beyond the target's.
+SHARES_TARGET_CACHE = {"gemma4-assistant"}
 
 
 @dataclass(frozen=True)
@@ -268,7 +273,7 @@ def make_plan(
         weights=weights(main),
         draft_weights=weights(draft) if draft else None,
         per_slot=slot_cost(main, cache),
-        draft_per_slot=slot_cost(draft, cache) if draft else None,
+        draft_per_slot=slot_cost(draft, cache) if draft and draft.arch not in SHARES_TARGET_CACHE else None,
         overhead_bytes=settings.runtime_overhead_bytes,
         headroom_bytes=settings.headroom_bytes,
         bytes_fetched=main.bytes_fetched + (draft.bytes_fetched if draft else 0),

@@ -75,10 +75,12 @@ def start(
     loading_delay_s: float | None = None,
     hub_bytes_per_s: int | None = None,
     kind: bool = False,
+    publish: dict[str, Path] | None = None,
     timeout_s: float = 30.0,
 ) -> CloudInfo:
     """Start the cloud unless it already runs; return where it listens. `kind` turns off vast.ai's
-    time-based hardships (rate limits, read lag, late SSH keys, heartbeat gaps): for tests that say why."""
+    time-based hardships (rate limits, read lag, late SSH keys, heartbeat gaps): for tests that say why.
+    `publish`: the hub also serves each directory's GGUF files as that repo (hashed before the cloud answers)."""
     running = find(state_dir)
     if running:
         return running
@@ -95,6 +97,8 @@ def start(
         argv += ["--hub-bytes-per-s", str(hub_bytes_per_s)]
     if kind:
         argv.append("--kind")
+    for repo, directory in (publish or {}).items():
+        argv += ["--publish", f"{repo}={directory}"]
     with (state_dir / "server.log").open("ab") as log:
         process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleet.localcloud import procs
+from fleet.localcloud import procs, toolchain
 from fleet.localcloud.toolchain import REPO_ROOT
 
 HOST_SCRIPTS = REPO_ROOT / "images" / "llama-server" / "host"
-SSHD = "/usr/sbin/sshd"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -83,16 +82,18 @@ class LocalHost:
 
     def prepare(self) -> None:
         """Lay out the host directory: PATH, the SSH session's environment, the sshd config."""
-        if not Path(SSHD).exists():
-            raise HostError(f"{SSHD} not found: install Debian's openssh-server")
+        if not Path(toolchain.sshd_path()).exists():
+            raise HostError(f"{toolchain.sshd_path()} not found: install Debian's openssh-server")
         for d in (self.root, self.root / ".ssh", self.etc, self.log_dir, self.bin_dir, self.directory / "tmux"):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         for script in HOST_SCRIPTS.iterdir():
             _link(script, self.bin_dir / script.name)
-        aria2c = shutil.which("aria2c")
-        if aria2c:
-            _link(Path(aria2c), self.bin_dir / "aria2c")
+        # nvidia-smi: on a GPU machine the container runtime mounts the driver's tools into every container
+        for program in ("aria2c", "nvidia-smi"):
+            found = shutil.which(program)
+            if found:
+                _link(Path(found), self.bin_dir / program)
         if self.llama_server and self.frozen_server:
             wrapper = self.bin_dir / "llama-server"
             wrapper.unlink(missing_ok=True)
@@ -174,7 +175,7 @@ class LocalHost:
         key = self.etc / "ssh_host_ed25519_key"
         if not key.exists():
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "", "-f", str(key)], check=True)
-        pid = self._spawn([SSHD, "-D", "-e", "-f", str(self.etc / "sshd_config")], "sshd.log", {})
+        pid = self._spawn([toolchain.sshd_path(), "-D", "-e", "-f", str(self.etc / "sshd_config")], "sshd.log", {})
         return self._wait_sshd(pid, timeout_s)
 
     def start_entrypoint(self, env: dict[str, str], timeout_s: float = 10.0) -> int:
@@ -182,7 +183,12 @@ class LocalHost:
         pid = self._spawn(
             [str(HOST_SCRIPTS / "fleet-host-init")],
             "sshd.log",
-            {**env, "FLEET_SSHD_CONFIG": str(self.etc / "sshd_config"), "FLEET_HOST_KEY_DIR": str(self.etc)},
+            {
+                **env,
+                "FLEET_SSHD": toolchain.sshd_path(),
+                "FLEET_SSHD_CONFIG": str(self.etc / "sshd_config"),
+                "FLEET_HOST_KEY_DIR": str(self.etc),
+            },
         )
         return self._wait_sshd(pid, timeout_s)
 

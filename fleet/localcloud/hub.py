@@ -60,6 +60,11 @@ class Hub:
         for (repo, _), path in replicas.ensure(directory).items():
             self.add(repo, path)
 
+    def publish_directory(self, repo: str, directory: Path) -> None:
+        """Every GGUF file in `directory` under `repo` (a large generated model, say), hashed now."""
+        for path in sorted(directory.glob("*.gguf")):
+            self.add(repo, path).digest()
+
     def add(self, repo: str, path: Path) -> HubFile:
         entry = HubFile(repo, path, path.stat().st_size)
         self._by_repo[(repo, path.name)] = entry

@@ -23,11 +23,13 @@ from fleet.localcloud.hub import Hub
 DEFAULT_OFFERS_DIR = toolchain.REPO_ROOT / "offers"
 
 
-async def serve(settings: CloudSettings, host: str, port: int) -> None:
+async def serve(settings: CloudSettings, host: str, port: int, publish: list[tuple[str, Path]] = ()) -> None:
     cloud = Cloud(settings)
     hub = Hub(settings.state_dir / "hub", settings.hub_bytes_per_s, lambda: cloud.faults)
     await asyncio.to_thread(hub.publish_tiny_models)
     await asyncio.to_thread(hub.publish_replicas, toolchain.cache_dir() / "replicas" / f"v{replicas.REPLICA_FORMAT}")
+    for repo, directory in publish:
+        await asyncio.to_thread(hub.publish_directory, repo, directory)
     runner = web.AppRunner(build_app(cloud, hub), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -61,7 +63,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kind", action="store_true", help="no rate limits, read lag, late SSH keys or heartbeat gaps (tests only)"
     )
+    parser.add_argument(
+        "--publish", action="append", default=[], metavar="OWNER/REPO=DIR", help="serve DIR's GGUF files as this repo"
+    )
     args = parser.parse_args(argv)
+    publish = []
+    for item in args.publish:
+        repo, sep, directory = item.partition("=")
+        if not sep or repo.count("/") != 1 or not Path(directory).is_dir():
+            parser.error(f"--publish {item!r}: expected OWNER/REPO=DIR with DIR a directory")
+        publish.append((repo, Path(directory)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = CloudSettings(
         state_dir=args.state_dir,
@@ -72,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         hub_bytes_per_s=args.hub_bytes_per_s,
         kind=args.kind,
     )
-    asyncio.run(serve(settings, args.host, args.port))
+    asyncio.run(serve(settings, args.host, args.port, publish))
 
 
 if __name__ == "__main__":

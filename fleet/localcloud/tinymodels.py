@@ -81,7 +81,7 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def _add_vocab(writer: gguf.GGUFWriter, template: str) -> int:
+def add_vocab(writer: gguf.GGUFWriter, template: str) -> int:
     tokens, scores, types = _vocab()
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -97,8 +97,9 @@ def _add_vocab(writer: gguf.GGUFWriter, template: str) -> int:
     return len(tokens)
 
 
-def _output_matrix(rng: np.random.Generator, n_vocab: int) -> np.ndarray:
-    out = rng.normal(0, 0.5, (n_vocab, N_EMBD)).astype(np.float32)
+def output_matrix(rng: np.random.Generator, n_vocab: int, n_embd: int = N_EMBD) -> np.ndarray:
+    """Random output rows, zero for the control and byte tokens: sampling yields printable ASCII."""
+    out = rng.normal(0, 0.5, (n_vocab, n_embd)).astype(np.float32)
     out[: len(CONTROL_TOKENS) + 256] = 0.0
     return out
 
@@ -114,7 +115,7 @@ def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=False)
-    writer.add_tensor("output.weight", _output_matrix(rng, n_vocab))
+    writer.add_tensor("output.weight", output_matrix(rng, n_vocab))
 
 
 def _write_gemma2(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
@@ -131,7 +132,7 @@ def _write_gemma2(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: in
     writer.add_sliding_window(SWA_WINDOW)
     writer.add_attn_logit_softcapping(50.0)
     writer.add_final_logit_softcapping(30.0)
-    _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=True, embd=_output_matrix(rng, n_vocab))
+    _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=True, embd=output_matrix(rng, n_vocab))
 
 
 def _attention_tensors(
@@ -198,7 +199,7 @@ def _write_mamba(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int
         writer.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
         writer.add_tensor(p + "ssm_out.weight", mat(N_EMBD, d_inner))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    writer.add_tensor("output.weight", _output_matrix(rng, n_vocab))
+    writer.add_tensor("output.weight", output_matrix(rng, n_vocab))
 
 
 _WRITERS = {"llama": _write_llama, "gemma2": _write_gemma2, "mamba": _write_mamba}
@@ -210,7 +211,7 @@ def generate(name: str, path: Path, seed: int = 1234) -> Path:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), model.arch)
     writer.add_name(model.name)
-    n_vocab = _add_vocab(writer, model.template)
+    n_vocab = add_vocab(writer, model.template)
     _WRITERS[model.arch](writer, np.random.default_rng(seed), n_vocab)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -48,3 +48,8 @@ def llama_server_path(*, stock: bool = False) -> Path | None:
     explicit = None if stock else os.environ.get("FLEET_LLAMA_SERVER")
     path = Path(explicit) if explicit else llama_server_build(stock=stock) / "build/bin/llama-server"
     return path if path.exists() else None
+
+
+def sshd_path() -> str:
+    """The sshd every local host runs: Debian's, or FLEET_SSHD (an absolute path: sshd re-executes itself)."""
+    return os.environ.get("FLEET_SSHD") or "/usr/sbin/sshd"

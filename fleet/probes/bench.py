@@ -34,6 +34,7 @@ class LevelResult:
     throughput_tok_s: float
     cache_reuse: float | None  # median cache_n / prompt_tokens of measured turns
     reconnects: int
+    prompt_tokens: float | None = None  # median prompt of measured turns: the context depth callers decode at
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,6 +66,7 @@ def summarize(
         sum(int(r.server_timings.get("predicted_n", 0)) for r in wave) / wall for wall, wave in waves if wall > 0
     ]
     per_caller = statistics.median(decode) if decode else None
+    prompts = [float(r.usage["prompt_tokens"]) for r in good if r.usage.get("prompt_tokens")]
     return LevelResult(
         callers=callers,
         requests=len(results),
@@ -76,6 +78,7 @@ def summarize(
         throughput_tok_s=statistics.mean(throughput) if throughput else 0.0,
         cache_reuse=statistics.median(reuse) if reuse else None,
         reconnects=reconnects,
+        prompt_tokens=statistics.median(prompts) if prompts else None,
     )
 
 

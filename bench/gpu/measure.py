@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""The GPU bench's measurements, run by bench/gpu/run on the GPU machine (see bench/gpu/README.md).
+
+  decode   the card's device-to-device copy bandwidth (PyTorch), llama-bench's decode rate on the model
+           (no HTTP), then `fleet up` through the local cloud and `fleet bench` at 1, 2, 4 and 8 callers;
+           bytes read per token times each rate as a share of the copy bandwidth; served / llama-bench.
+  plan     each header replica (a4b with its MTP draft, phonellm, 12b, 31b) written with random blocks and
+           loaded by llama-server with its profile's flags at several slot counts; `fleet plan`'s terms
+           against llama-server's own buffer lines and nvidia-smi's memory.used of the process.
+  thermal  `fleet up`, then `fleet probe HOST --only thermal` for the profile's 5 minutes, with the raw
+           nvidia-smi query captured beside it (the parser fixture) and `nvidia-smi -q` under load.
+
+Writes everything under $OUT and prints a markdown table last. Needs: the environment bench/gpu/run sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import gguf
+
+from fleet import config
+from fleet.allocations import parse_buffer_lines
+from fleet.ggufhead import read_local
+from fleet.localcloud import control, replicas
+from fleet.localcloud.bigmodels import NEMO_12B
+from fleet.plan import MIB, PlanSettings, cache_settings_from_args, make_plan
+from fleet.probes.gpu import QUERY
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ["OUT"])
+LOGS = OUT / "logs"  # bench/gpu/run packs these into one archive: few files come back from the machine
+G = Path(os.environ["FLEET_GPU_DIR"])
+MODEL = G / "models" / "nemo-12b-shape-Q8_0.gguf"
+PROFILE = "h200-12b"
+# f16 K and V of every layer: 40 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+KV_BYTES_PER_TOKEN = NEMO_12B.n_layer * NEMO_12B.n_head_kv * NEMO_12B.head_dim * 2 * 2
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def fleet(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the fleet CLI; its output goes to $OUT/fleet-<verb>.log as well."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    with (LOGS / f"fleet-{args[0]}.log").open("a") as f:
+        f.write(f"$ fleet {' '.join(args)}  ({time.monotonic() - started:.1f} s, exit {result.returncode})\n")
+        f.write(result.stdout + result.stderr + "\n")
+    if check and result.returncode != 0:
+        tail = (result.stdout + result.stderr)[-4000:]
+        raise SystemExit(f"fleet {' '.join(args)} exited {result.returncode}:\n{tail}")
+    return result
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus bytes written per second by a large device-to-device copy, median of 20 (PyTorch)."""
+    import torch
+
+    n = 4 * 1024**3  # 4 GiB each way: far past the 60 MB L2
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000)
+    if not torch.equal(dst[:: 1 << 20], src[:: 1 << 20]):
+        raise SystemExit("the device copy did not copy")
+    del src, dst
+    torch.cuda.empty_cache()
+    times.sort()
+    return 2 * n / times[len(times) // 2]
+
+
+def bytes_per_token(path: Path) -> int:
+    """What one decoded token reads of the weights: every tensor but the token embedding (one row of it)."""
+    reader = gguf.GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
+
+
+def llama_bench(depths: tuple[int, ...]) -> dict[int, float]:
+    """llama.cpp's own decode rate (tg128, no HTTP, no sampling) at each context depth."""
+    binary = Path(os.environ["FLEET_LLAMA_SERVER"]).with_name("llama-bench")
+    argv = [str(binary), "-m", str(MODEL), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128", "-r", "5",
+            "-d", ",".join(str(d) for d in depths), "-o", "json"]  # fmt: skip
+    log("llama-bench: " + " ".join(argv[1:]))
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    (OUT / "llama-bench.json").write_text(result.stdout)
+    (LOGS / "llama-bench.log").write_text(result.stderr)
+    return {int(row.get("n_depth", 0)): float(row["avg_ts"]) for row in json.loads(result.stdout)}
+
+
+def batched_bench(depth: int, callers: list[int]) -> dict[int, float]:
+    """llama.cpp's own decode of `n` sequences at once, each at `depth` (llama-batched-bench, its own cache
+    stream per sequence as llama-server's slots have): per-sequence tokens/s by sequence count."""
+    binary = Path(os.environ["FLEET_LLAMA_SERVER"]).with_name("llama-batched-bench")
+    most = max(callers)
+    argv = [str(binary), "-m", str(MODEL), "-ngl", "99", "-fa", "on", "-c", str(most * (depth + 256)),
+            "-npp", str(depth), "-ntg", "128", "-npl", ",".join(map(str, callers)),
+            "--output-format", "jsonl"]  # fmt: skip
+    log("llama-batched-bench: " + " ".join(argv[1:]))
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    (LOGS / "llama-batched-bench.log").write_text(result.stdout + result.stderr)
+    rows = [json.loads(line) for line in (result.stdout + result.stderr).splitlines() if line.startswith('{"n_kv_max"')]
+    return {int(r["pl"]): float(r["speed_tg"]) / int(r["pl"]) for r in rows}
+
+
+def start_cloud() -> None:
+    state = control.default_state_dir()
+    control.start(
+        state,
+        offers_dir=REPO / "bench" / "gpu" / "offers",
+        hub_bytes_per_s=1 << 30,  # per connection: the hub is this machine's loopback
+        publish={"fleet-local/gpu-models": MODEL.parent},
+        timeout_s=300,
+    )
+
+
+def up() -> tuple[str, float]:
+    started = time.monotonic()
+    result = fleet("up", "--model", PROFILE, "--region", "eu", "--json", timeout=900)
+    seconds = time.monotonic() - started
+    ready = json.loads(result.stdout)["ready"]
+    log(f"fleet up: {ready[0]} READY in {seconds:.0f} s")
+    return ready[0], seconds
+
+
+def tear_down() -> None:
+    fleet("destroy", "--all", "--yes", "--json", check=False, timeout=300)
+    control.stop(control.default_state_dir())
+
+
+def decode() -> None:
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    log("device-to-device copy")
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
+    per_token = bytes_per_token(MODEL)
+    start_cloud()
+    try:
+        host, up_s = up()
+        result = fleet("bench", host, "--callers", "8", "--max-tokens", "128", "--json", timeout=900)
+        report = json.loads(result.stdout)
+        (OUT / "fleet-bench.json").write_text(json.dumps(report, indent=1))
+        (LOGS / "fleet-status.json").write_text(fleet("status", "--json").stdout)
+    finally:
+        tear_down()
+    levels = {lv["callers"]: lv for lv in report["levels"]}
+    depth = int(levels[1]["prompt_tokens"])  # where the served callers decoded: llama.cpp's runs go there too
+    bench_rates = llama_bench((0, depth))
+    batched = batched_bench(depth, sorted(levels))
+    log(f"llama-bench tg128: {bench_rates}; batched per sequence at depth {depth}: {batched}")
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    served_one = levels[1]["decode_per_caller_tok_s"]
+    lines = [
+        f"# Decode on {smi}, {stamp}",
+        "",
+        "Command: `bench/gpu/run decode` (bench/gpu/README.md). Model: random-weight Mistral NeMo 12B shape",
+        f"(`fleet/localcloud/bigmodels.py` NEMO_12B), Q8_0, {MODEL.stat().st_size / 1e9:.2f} GB file, "
+        f"{per_token / 1e9:.3f} GB of weights read per token (every tensor but the token embedding), plus the",
+        f"KV cache of the context: {KV_BYTES_PER_TOKEN // 1024} KiB per token of depth.",
+        f"Device-to-device copy (PyTorch, 4 GiB, median of 20, read + written): {bandwidth / 1e12:.3f} TB/s.",
+        f"`fleet up` to READY: {up_s:.0f} s (rent, boot, aria2c pull from the hub, sha256, load, probes).",
+        f"`fleet bench` callers decode at a depth of {depth} tokens (median prompt of the measured turns).",
+        "",
+        "| what | callers | tok/s per caller | bytes read per step x steps/s | share of copy bandwidth | "
+        "served / llama.cpp alone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for d, rate in sorted(bench_rates.items()):
+        achieved = (per_token + KV_BYTES_PER_TOKEN * d) * rate
+        lines.append(f"| llama-bench tg128, depth {d} | 1 | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
+                     f"{achieved / bandwidth:.3f} | |")  # fmt: skip
+    for n, rate in sorted(batched.items()):
+        achieved = (per_token + KV_BYTES_PER_TOKEN * depth * n) * rate
+        lines.append(f"| llama-batched-bench, depth {depth} | {n} | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
+                     f"{achieved / bandwidth:.3f} | |")  # fmt: skip
+    for n, level in sorted(levels.items()):
+        rate = level["decode_per_caller_tok_s"]
+        if rate is None:
+            lines.append(f"| fleet bench | {n} | - | | | errors {level['errors']} |")
+            continue
+        achieved = (per_token + KV_BYTES_PER_TOKEN * depth * n) * rate
+        alone = bench_rates[depth] if n == 1 else batched.get(n)
+        versus = f"{rate / alone:.3f}" if alone else ""
+        lines.append(f"| fleet bench (served, HTTP) | {n} | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
+                     f"{achieved / bandwidth:.3f} | {versus} |")  # fmt: skip
+    lines += [
+        "",
+        f"Served one caller / llama-bench at the same depth: {served_one / bench_rates[depth]:.3f} (target >= 0.95); "
+        f"llama-bench at depth 0 reaches {per_token * bench_rates[0] / bandwidth:.3f} of the copy bandwidth "
+        "(the baseline later work is measured against).",
+        f"Capacity at the voice target: {report['capacity']['callers']} callers"
+        + (" (at least)" if report["capacity"]["at_least"] else ""),
+    ]
+    text = "\n".join(lines) + "\n"
+    (OUT / "decode.md").write_text(text)
+    print(text)
+
+
+def thermal() -> None:
+    start_cloud()
+    try:
+        host, _ = up()
+        (OUT / "nvidia-smi-q-idle.txt").write_text(
+            subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, check=False).stdout
+        )
+        query = subprocess.Popen(
+            [*QUERY, "-l", "5"], stdout=(OUT / "query.csv").open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        argv = [sys.executable, "-m", "fleet", "probe", host, "--only", "thermal", "--plot", str(OUT / "thermal.png")]
+        probe = subprocess.Popen([*argv, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(90)  # under load by now: which fields read N/A then
+            (OUT / "nvidia-smi-q-under-load.txt").write_text(
+                subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, check=False).stdout
+            )
+            stdout, stderr = probe.communicate(timeout=900)
+        finally:
+            query.terminate()
+            query.wait()
+        (OUT / "thermal.json").write_text(stdout)
+        (LOGS / "fleet-probe.log").write_text(stderr)
+    finally:
+        tear_down()
+    print(stdout[-4000:] or stderr[-4000:])
+
+
+PLAN_RUNS = (("a4b", (1, 3, 10)), ("phonellm", (1, 12)), ("12b", (1, 3)), ("31b", (1, 2)))
+GPU = ("CUDA0",)
+
+
+def _serve_once(argv: list[str], log_path: Path) -> tuple[str, int | None]:
+    """Start llama-server, wait until it answers /health, read the process's memory.used, stop it."""
+    with log_path.open("w") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    used = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and server.poll() is None:
+            probe = subprocess.run(["curl", "-sf", "http://127.0.0.1:18181/health"], capture_output=True, check=False)
+            if probe.returncode == 0 and shutil.which("nvidia-smi"):
+                apps = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, check=False,
+                ).stdout  # fmt: skip
+                rows = [[x.strip() for x in line.split(",")] for line in apps.splitlines() if "," in line]
+                mine = [int(mib) for pid, mib in rows if int(pid) == server.pid] or [int(mib) for _, mib in rows]
+                used = mine[0] * MIB if len(mine) == 1 else None  # the server's own, or the only process
+            if probe.returncode == 0:
+                break
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return log_path.read_text(), used
+
+
+def plan(only: list[str]) -> None:
+    settings = config.load(REPO / "fleet.toml")
+    binary = os.environ["FLEET_LLAMA_SERVER"]
+    directory = G / "replicas"
+    directory.mkdir(parents=True, exist_ok=True)
+    by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
+    p = settings.plan
+    plan_settings = PlanSettings(int(p.runtime_overhead_mib * MIB), int(p.headroom_mib * MIB))
+    rows, records = [], []
+    started = time.monotonic()
+    for model, slot_counts in PLAN_RUNS:
+        if only and model not in only:
+            continue
+        if time.monotonic() - started > 330:
+            log(f"skipping {model}: out of time")
+            continue
+        profile = settings.profile(model)
+        paths = {}
+        for f in profile.files:
+            paths[f.key] = replicas.write(by_name[(f.repo, f.file)], directory / f.file, fill=True)
+        log(f"{model}: wrote {', '.join(p.name for p in paths.values())}")
+        main, draft = read_local(paths["main"]), read_local(paths["draft"]) if "draft" in paths else None
+        for n in slot_counts:
+            args = [a.replace("{file.draft}", str(paths.get("draft", ""))) for a in profile.args]
+            args = _with(args, {"-np": str(n), "-c": str(n * profile.ctx_per_slot)})
+            argv = [binary, "-m", str(paths["main"]), *args, "--host", "127.0.0.1", "--port", "18181", "-lv", "4"]
+            text, used = _serve_once(argv, LOGS / f"serve-{model}-{n}.log")
+            found = parse_buffer_lines(text)
+            cache = cache_settings_from_args(profile.args, profile.ctx_per_slot)
+            planned = make_plan(model, n, cache, main, draft, plan_settings)
+            record = {
+                "model": model,
+                "slots": n,
+                "plan": planned.as_dict(),
+                "allocated": {k: dict(v) for k, v in found.by_kind.items()},
+                "process_used_bytes": used,
+            }
+            records.append(record)
+            rows.append(_plan_row(record, planned, found, used))
+            log(f"{model} x{n}: {rows[-1]}")
+        for path in paths.values():
+            path.unlink()
+    (OUT / "plan.json").write_text(json.dumps(records, indent=1))
+    header = (
+        "| model | slots | weights plan / CUDA0 model | per-slot plan / (KV+RS)/slots | draft per slot plan | "
+        "runtime plan / compute + rest | total plan (no headroom) / process memory.used |\n"
+        "| --- | ---: | --- | --- | ---: | --- | --- |"
+    )
+    text = header + "\n" + "\n".join(rows) + "\n"
+    (OUT / "plan.md").write_text(text)
+    print(text)
+
+
+def _with(args: list[str], values: dict[str, str]) -> list[str]:
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MIB:,.0f}"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "" if not b else f" ({a / b:.3f})"
+
+
+def _plan_row(record: dict, planned, found, used: int | None) -> str:
+    n = record["slots"]
+    model_gpu = found.on("model", GPU)
+    kv_gpu = found.on("KV", GPU) + found.on("RS", GPU)
+    compute = found.on("compute", GPU) + found.on("output", GPU)
+    rest = (used - model_gpu - kv_gpu - compute) if used else None
+    runtime = compute + (rest or 0)
+    total = planned.total_bytes() - planned.headroom_bytes
+    draft = planned.draft_per_slot.total if planned.draft_per_slot else 0
+    return (
+        f"| {record['model']} | {n} | {_mib(planned.weights_bytes)} / {_mib(model_gpu)}"
+        f"{_ratio(planned.weights_bytes, model_gpu)} | {_mib(planned.per_slot_bytes)} / {_mib(kv_gpu / n)}"
+        f"{_ratio(planned.per_slot_bytes, kv_gpu / n)} | {_mib(draft)} | {_mib(planned.overhead_bytes)} / "
+        f"{_mib(compute)} + {_mib(rest)}{_ratio(planned.overhead_bytes, runtime)} | {_mib(total)} / {_mib(used)}"
+        f"{_ratio(total, used)} |"
+    )
+
+
+if __name__ == "__main__":
+    LOGS.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1] == "plan":
+        plan(sys.argv[2:])
+    else:
+        {"decode": decode, "thermal": thermal}[sys.argv[1]]()
