@@ -172,6 +172,10 @@ class Profile(Strict):
     accept_template_breaks: list[str] = []
     probes: ProfileProbes = ProfileProbes()
     voice: VoiceTarget = VoiceTarget()
+    # GPU memory llama.cpp takes beyond weights and cache with this profile's flags (the CUDA context and its
+    # libraries, the compute buffers of the target and any draft), as `bench/gpu/run plan` measured it; its
+    # compute buffers follow ggml's allocator, not the header. Unset: [plan] runtime_overhead_mib.
+    runtime_mib: Annotated[float | None, Field(ge=0)] = None
 
     @field_validator("chat_template")
     @classmethod
@@ -222,6 +226,10 @@ class PlanConfig(Strict):
 
     runtime_overhead_mib: Annotated[float, Field(ge=0)] = 570
     headroom_mib: Annotated[float, Field(ge=0)] = 512
+
+    def runtime_mib_for(self, profile: Profile) -> float:
+        """The profile's measured runtime, else the default."""
+        return profile.runtime_mib if profile.runtime_mib is not None else self.runtime_overhead_mib
 
 
 class Rotation(Strict):

@@ -243,7 +243,7 @@ class Fleet:
             cache,
             main,
             draft,
-            PlanSettings(int(p.runtime_overhead_mib * MIB), int(p.headroom_mib * MIB)),
+            PlanSettings(int(p.runtime_mib_for(profile) * MIB), int(p.headroom_mib * MIB)),
         )
 
     # ---- chat template ----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The GPU memory a profile needs, from its GGUF headers alone (DOMAIN.md "KV-cache rules").
 
-- weights: every tensor at its type's block size (the gguf package's table), split by kind;
+- weights: every tensor at its type's block size (the gguf package's table), split by kind, but the input
+  embedding of a model with its own output matrix, which stays in host memory;
 - per slot: the KV cache of each attention layer (its own KV heads and head sizes; a windowed layer
   keeps only the window plus one micro-batch of cells unless --swa-full), at the cache type's size,
   plus the fixed recurrent state (f32) of each recurrent layer, whatever the context;
@@ -54,10 +55,15 @@ class CacheSettings:
 
 @dataclass
 class Weights:
+    """Bytes of weights on the card, by kind; `host`: the input token embedding, which llama.cpp keeps in
+    host memory whatever -ngl says (it is only indexed, one row per token), when the model has its own
+    output matrix. A tied model's output is that same matrix, copied to the card: there it counts."""
+
     experts: int = 0
     attention: int = 0
     embeddings: int = 0
     other: int = 0
+    host: int = 0
 
     @property
     def total(self) -> int:
@@ -92,9 +98,12 @@ def _cache_bytes(elements: int, type_name: str) -> int:
 
 def weights(header: GgufHeader) -> Weights:
     w = Weights()
+    untied = any(t.name == "output.weight" for t in header.tensors)
     for t in header.tensors:
         name = t.name
-        if "_exps" in name or "_shexp" in name or ".ffn_gate_inp" in name:
+        if name == "token_embd.weight" and untied:
+            w.host += t.nbytes
+        elif "_exps" in name or "_shexp" in name or ".ffn_gate_inp" in name:
             w.experts += t.nbytes
         elif ".attn_" in name:
             w.attention += t.nbytes

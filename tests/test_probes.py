@@ -1,6 +1,7 @@
 """The probes against real llama-servers on the local cloud: each passes on a healthy host and
 fails, with the right diagnosis, on a host that has the trap."""
 
+import asyncio
 import json
 import os
 import socket
@@ -116,6 +117,37 @@ async def test_thermal_fails_on_a_host_whose_decode_sags(cloud, tmp_path):
     assert thermal.metrics["decode_share"] < 0.8
 
 
+async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
+    # On an H200 the probe once paused its load for every measurement and the card idled half the time
+    # (33% mean utilisation): heat never built. The load callers must stay in flight throughout.
+    settings = settings_for(tmp_path)
+    tiny = settings.models["tiny"]
+    probes = tiny.probes.model_copy(update={"thermal_seconds": 4, "thermal_interval_s": 0.3, "thermal_tokens": 400})
+    four_slots = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]
+    settings = with_variant(
+        settings, "tiny4", args=four_slots, slots=4, probes=probes.model_copy(update={"on_up": ["smoke"]})
+    )
+    busy: list[int] = []
+    async with fleet_for(settings) as fleet:
+        host = (await fleet.up(UpRequest("tiny4", "eu"))).ready[0]
+        try:
+            probe = asyncio.create_task(fleet.probe(host.name, only=["thermal"]))
+            headers = {"Authorization": f"Bearer {host.api_key}"}
+            async with httpx.AsyncClient(base_url=host.api_url, headers=headers, timeout=10) as client:
+                await asyncio.sleep(1.0)  # the load callers are connected and decoding by now
+                while not probe.done():
+                    slots = (await client.get("/slots")).raise_for_status().json()
+                    busy.append(sum(1 for s in slots if s.get("is_processing")))
+                    await asyncio.sleep(0.05)
+            [thermal] = await probe
+        finally:
+            await fleet.destroy(None)
+    assert thermal.metrics["load"]["ok"] > 0 and len(thermal.metrics["decode_rates"]) >= 3
+    assert len(busy) > 20
+    loaded = sum(1 for n in busy if n >= 3) / len(busy)  # the three load callers, whatever the measuring one does
+    assert loaded > 0.9, (loaded, busy)
+
+
 async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
     async with fleet_for(settings_for(tmp_path)) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
@@ -182,6 +214,9 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     assert all(level.errors == 0 and level.requests == level.callers * 2 for level in levels)
     assert levels[0].decode_share == 1.0 and all(level.throughput_tok_s > 0 for level in levels)
     assert all(level.cache_reuse and level.cache_reuse > 0.5 for level in levels)
+    # the depth callers decode at: the fitted system prompt and the turns so far, about the same at every level
+    assert levels[0].prompt_tokens > 100
+    assert all(abs(level.prompt_tokens / levels[0].prompt_tokens - 1) < 0.05 for level in levels)
     assert all(level.first_content_p50_ms <= level.first_content_p95_ms for level in levels)
     # the tiny host meets the default voice target at every level up to its 4 slots
     assert (report.capacity.callers, report.capacity.exhausted) == (4, True), report.capacity.as_dict()

@@ -7,6 +7,7 @@
   plan     each header replica (a4b with its MTP draft, phonellm, 12b, 31b) written with random blocks and
            loaded by llama-server with its profile's flags at several slot counts; `fleet plan`'s terms
            against llama-server's own buffer lines and nvidia-smi's memory.used of the process.
+  replan   PLAN_JSON: a recorded plan run's table with the planner as it is now (anywhere, no GPU).
   thermal  `fleet up`, then `fleet probe HOST --only thermal` for the profile's 5 minutes, with the raw
            nvidia-smi query captured beside it (the parser fixture) and `nvidia-smi -q` under load.
 
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +29,7 @@ from pathlib import Path
 import gguf
 
 from fleet import config
-from fleet.allocations import parse_buffer_lines
+from fleet.allocations import Allocations, parse_buffer_lines
 from fleet.ggufhead import read_local
 from fleet.localcloud import control, replicas
 from fleet.localcloud.bigmodels import NEMO_12B
@@ -35,9 +37,9 @@ from fleet.plan import MIB, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes.gpu import QUERY
 
 REPO = Path(__file__).resolve().parents[2]
-OUT = Path(os.environ["OUT"])
+OUT = Path(os.environ.get("OUT", "/tmp/fleet-gpu/out"))
 LOGS = OUT / "logs"  # bench/gpu/run packs these into one archive: few files come back from the machine
-G = Path(os.environ["FLEET_GPU_DIR"])
+G = Path(os.environ.get("FLEET_GPU_DIR", "/tmp/fleet-gpu"))
 MODEL = G / "models" / "nemo-12b-shape-Q8_0.gguf"
 PROFILE = "h200-12b"
 # f16 K and V of every layer: 40 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
@@ -279,13 +281,12 @@ def plan(only: list[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
     p = settings.plan
-    plan_settings = PlanSettings(int(p.runtime_overhead_mib * MIB), int(p.headroom_mib * MIB))
     rows, records = [], []
     started = time.monotonic()
     for model, slot_counts in PLAN_RUNS:
         if only and model not in only:
             continue
-        if time.monotonic() - started > 330:
+        if time.monotonic() - started > 200:
             log(f"skipping {model}: out of time")
             continue
         profile = settings.profile(model)
@@ -294,6 +295,7 @@ def plan(only: list[str]) -> None:
             paths[f.key] = replicas.write(by_name[(f.repo, f.file)], directory / f.file, fill=True)
         log(f"{model}: wrote {', '.join(p.name for p in paths.values())}")
         main, draft = read_local(paths["main"]), read_local(paths["draft"]) if "draft" in paths else None
+        plan_settings = PlanSettings(int(p.runtime_mib_for(profile) * MIB), int(p.headroom_mib * MIB))
         for n in slot_counts:
             args = [a.replace("{file.draft}", str(paths.get("draft", ""))) for a in profile.args]
             args = _with(args, {"-np": str(n), "-c": str(n * profile.ctx_per_slot)})
@@ -315,14 +317,45 @@ def plan(only: list[str]) -> None:
         for path in paths.values():
             path.unlink()
     (OUT / "plan.json").write_text(json.dumps(records, indent=1))
+    text = plan_table(rows)
+    (OUT / "plan.md").write_text(text)
+    print(text)
+
+
+def plan_table(rows: list[str]) -> str:
     header = (
         "| model | slots | weights plan / CUDA0 model | per-slot plan / (KV+RS)/slots | draft per slot plan | "
         "runtime plan / compute + rest | total plan (no headroom) / process memory.used |\n"
         "| --- | ---: | --- | --- | ---: | --- | --- |"
     )
-    text = header + "\n" + "\n".join(rows) + "\n"
-    (OUT / "plan.md").write_text(text)
-    print(text)
+    return header + "\n" + "\n".join(rows) + "\n"
+
+
+def replan(path: Path) -> None:
+    """The table of a recorded `plan` run (its plan.json) with the planner as it is now: no GPU needed."""
+    settings = config.load(REPO / "fleet.toml")
+    by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for record in json.loads(path.read_text()):
+            profile = settings.profile(record["model"])
+            headers = {}
+            for f in profile.files:
+                headers[f.key] = read_local(replicas.write(by_name[(f.repo, f.file)], Path(tmp) / f.file))
+            p = settings.plan
+            planned = make_plan(
+                record["model"],
+                record["slots"],
+                cache_settings_from_args(profile.args, profile.ctx_per_slot),
+                headers["main"],
+                headers.get("draft"),
+                PlanSettings(int(p.runtime_mib_for(profile) * MIB), int(p.headroom_mib * MIB)),
+            )
+            found = Allocations()
+            for kind, per in record["allocated"].items():
+                found.by_kind[kind] = dict(per)
+            rows.append(_plan_row(record, planned, found, record["process_used_bytes"]))
+    print(plan_table(rows))
 
 
 def _with(args: list[str], values: dict[str, str]) -> list[str]:
@@ -359,8 +392,11 @@ def _plan_row(record: dict, planned, found, used: int | None) -> str:
 
 
 if __name__ == "__main__":
-    LOGS.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1] != "replan":
+        LOGS.mkdir(parents=True, exist_ok=True)
     if sys.argv[1] == "plan":
         plan(sys.argv[2:])
+    elif sys.argv[1] == "replan":
+        replan(Path(sys.argv[2]))
     else:
         {"decode": decode, "thermal": thermal}[sys.argv[1]]()

@@ -89,6 +89,7 @@ def write_tiled(f: BinaryIO, tile: bytes, nbytes: int) -> None:
 def write_dense(shape: DenseShape, path: Path, seed: int = 1234) -> Path:
     """Write `shape` with tiled random Q8_0 weights to `path` (atomically); the same seed gives the same bytes."""
     rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_name(shape.name)
@@ -151,7 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     if not args.path.exists():
-        args.path.parent.mkdir(parents=True, exist_ok=True)
         write_dense(shape, args.path)
     print(args.path)
 
