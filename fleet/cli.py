@@ -277,6 +277,8 @@ def plan_cmd(
     ]
     if plan.draft_per_slot:
         rows.append(("per slot: draft model cache", plan.draft_per_slot.total))
+    elif plan.draft_weights:
+        rows.append(("per slot: draft model cache (reads the target's)", 0))
     rows += [
         ("runtime overhead", plan.overhead_bytes),
         ("headroom", plan.headroom_bytes),
@@ -284,6 +286,8 @@ def plan_cmd(
     ]
     for label, value in rows:
         table.add_row(label, gib(value))
+    if w.host:
+        table.add_row("not on the card: input embedding (host memory)", gib(w.host))
     out.print(table)
     fits = ", ".join(f"{gb} GB: {n}" for gb, n in data["max_slots"].items())
     out.print(f"most slots per card: {fits}", highlight=False)
