@@ -28,7 +28,9 @@ from fleet.config import Profile, Timeouts
 from fleet.hostops import PhaseFailed
 from fleet.market import FAILED, HEARTBEAT_LOST, CreateFailed, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.models import Host, HostState, utcnow
+from fleet.plan import card_problem
 from fleet.probes import ProbeResult
+from fleet.probes.thermal import sample_card
 from fleet.remote import RemoteError, connect
 
 if TYPE_CHECKING:
@@ -198,6 +200,21 @@ class BringUp:
                 await self.fleet.chat_template(self.profile) if self.profile.chat_template else None,
             )
         self.fleet.record.update(self.host, api_url=api_url, api_key=api_key, started_at=utcnow())
+        await self.check_card()
+
+    async def check_card(self) -> None:
+        """With llama-server loaded, the host's card by nvidia-smi against the plan; a host without one
+        (the local cloud on a CPU) is left alone. The reading is recorded as an event."""
+        samples = await sample_card(self.conn)
+        if not samples:
+            return
+        total = sum(s.mem_total_mib or 0 for s in samples)
+        used = sum(s.mem_used_mib or 0 for s in samples)
+        names = ", ".join(sorted({s.name or "unknown" for s in samples}))
+        self.fleet.record.event("card", "loaded", f"{names}: {used:.0f} of {total:.0f} MiB in use", self.host.id)
+        problem = card_problem(await self.fleet.plan(self.profile.name), total, used)
+        if problem:
+            raise PhaseFailed("start", problem)
 
     async def probe(self) -> None:
         names = list(self.profile.probes.on_up)

@@ -288,3 +288,23 @@ def make_plan(
         bytes_fetched=main.bytes_fetched + (draft.bytes_fetched if draft else 0),
         file_bytes=(main.file_size or 0) + ((draft.file_size or 0) if draft else 0),
     )
+
+
+def card_problem(plan: Plan, total_mib: float, used_mib: float) -> str | None:
+    """What nvidia-smi on a host with llama-server loaded says is wrong against the plan, or None (pure).
+
+    A card smaller than the profile needs (an offer that misreports its GPU, or a card already half taken),
+    or less memory in use than the weights alone: llama-server left the model off the card (no usable CUDA
+    device, a driver too old for the build, a CPU-only build) and would serve at a CPU's speed."""
+    need = plan.total_bytes() - plan.headroom_bytes
+    if total_mib * MIB < need:
+        return (
+            f"the card has {total_mib:,.0f} MiB; the profile needs {need / MIB:,.0f} MiB at {plan.slots} slots "
+            "(fleet plan)"
+        )
+    if used_mib * MIB < plan.weights_bytes:
+        return (
+            f"llama-server left the model off the card: {used_mib:,.0f} MiB in use, the weights alone are "
+            f"{plan.weights_bytes / MIB:,.0f} MiB (no usable CUDA device, a driver too old, or a CPU-only build)"
+        )
+    return None

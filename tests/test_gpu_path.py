@@ -24,15 +24,18 @@ SMALL = bigmodels.DenseShape("small-shape", 2, 512, 4, 2, 128, 1024, 4096, 10000
 MIB = 1024**2
 
 
+H200_CSV = (FIXTURES / "nvidia-smi-h200-thermal" / "query.csv").read_text().splitlines()
+
+
 @pytest.fixture(scope="module")
 def gpu_machine(tmp_path_factory: pytest.TempPathFactory, llama_server: Path):
-    """A local cloud whose machine has an nvidia-smi (it prints what the H200 printed) and whose hub
-    publishes a directory of generated models, as bench/gpu/run starts it."""
+    """A local cloud whose machine has an nvidia-smi (it prints `card.csv`: by default what the H200 printed)
+    and whose hub publishes a directory of generated models, as bench/gpu/run starts it."""
     root = tmp_path_factory.mktemp("gpu-machine")
     tools = root / "bin"
     tools.mkdir()
     smi = tools / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\nhead -n 3 {FIXTURES / 'nvidia-smi-h200-thermal' / 'query.csv'}\n")
+    smi.write_text(f"#!/bin/sh\ncat {root / 'card.csv'}\n")
     smi.chmod(0o755)
     models = root / "models"
     bigmodels.write_dense(SMALL, models / "small-shape-Q8_0.gguf")
@@ -40,32 +43,64 @@ def gpu_machine(tmp_path_factory: pytest.TempPathFactory, llama_server: Path):
         mp.setenv("PATH", f"{tools}:{os.environ['PATH']}")
         handle = _start(root / "localcloud", publish={"fleet-local/gpu-models": models})
     try:
-        yield handle
+        yield handle, root / "card.csv"
     finally:
         _stop_and_check(handle)
+
+
+def _small_settings(tmp_path: Path, **sections: dict):
+    settings = settings_for(tmp_path, **sections)
+    tiny = settings.models["tiny"]
+    small = tiny.files[0].model_copy(update={"repo": "fleet-local/gpu-models", "file": "small-shape-Q8_0.gguf"})
+    return with_variant(settings, "small", files=[small], on_up=["smoke"])
+
+
+def _card(rows: list[str]) -> str:
+    return "\n".join([H200_CSV[0], *rows]) + "\n"
 
 
 async def test_a_generated_model_of_a_real_shape_goes_ready_and_the_host_reads_the_card(
     gpu_machine, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(gpu_machine.info.state_dir))
-    settings = settings_for(tmp_path)
-    tiny = settings.models["tiny"]
-    settings = with_variant(
-        settings,
-        "small",
-        files=[tiny.files[0].model_copy(update={"repo": "fleet-local/gpu-models", "file": "small-shape-Q8_0.gguf"})],
-        on_up=["smoke"],
-    )
-    async with fleet_for(settings) as fleet:
+    cloud, card = gpu_machine
+    card.write_text(_card(H200_CSV[1:2]))  # one card
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+    async with fleet_for(_small_settings(tmp_path)) as fleet:
         [host] = (await fleet.up(UpRequest("small", "eu"))).ready
         try:
             [thermal] = await fleet.probe(host.name, only=["thermal"])
         finally:
             await fleet.destroy(None)
+        [reading] = [e.detail for e in fleet.record.events(host.id) if e.kind == "card"]
+    assert reading == "NVIDIA H200: 52791 of 143771 MiB in use"
     cards = thermal.metrics["series"]["cards"]
     assert thermal.metrics["card_samples"] >= 2 and {c["name"] for c in cards} == {"NVIDIA H200"}
     assert all(c["fan_pct"] is None and c["mem_total_mib"] == 143771 for c in cards)
+
+
+@pytest.mark.parametrize(
+    ("used", "total", "why"),
+    [
+        ("0 MiB", "143771 MiB", "llama-server left the model off the card: 0 MiB in use"),
+        ("52791 MiB", "4 MiB", "the card has 4 MiB; the profile needs"),
+    ],
+)
+async def test_a_host_whose_card_does_not_hold_the_model_is_not_ready(
+    used, total, why, gpu_machine, tmp_path, monkeypatch
+):
+    cloud, card = gpu_machine
+    row = H200_CSV[2].replace("52889 MiB", used).replace("143771 MiB", total)
+    assert row != H200_CSV[2]
+    card.write_text(_card([row]))
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+    async with fleet_for(_small_settings(tmp_path, up={"max_attempts": 1})) as fleet:
+        result = await fleet.up(UpRequest("small", "eu"))
+        assert not result.ready
+        [attempt] = result.attempts
+        hosts = fleet.record.hosts()
+    assert attempt.phase == "start" and why in attempt.reason, attempt.reason
+    assert [(h.state, h.failed_phase) for h in hosts] == [("failed", "start")]
+    assert hosts[0].destroyed_at is not None  # the instance went with it
 
 
 def test_the_cloud_refuses_to_publish_a_directory_that_is_not_there(tmp_path):
