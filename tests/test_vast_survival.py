@@ -2,6 +2,7 @@
 heartbeat gaps, NAT'd ports), `fleet up` brings hosts up without a wasted call, and each hard answer vast.ai
 can give ends where it should (docs/vast-fidelity.md)."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from fleet import rotation
 from fleet.lifecycle import UpRequest
+from fleet.market import MarketError
 from fleet.models import HostState, utcnow
 from fleet.offers import effective_price_per_hour
 from tests.fleetkit import first_machine, fleet_for, settings_for, write_config
@@ -159,3 +161,33 @@ def test_a_spent_search_quota_stops_with_one_line_and_buys_nothing(cloud, tmp_pa
     assert (utcnow() - started).total_seconds() < 30  # not retried until midnight
     state = json.loads((cloud.info.state_dir / "state.json").read_text())
     assert state["instances"] == {}
+
+
+async def test_the_market_client_stops_and_starts_an_instance_keeping_its_disk(cloud, tmp_path):
+    # The building block of a standby pool (issue 13): stop keeps the disk (the weights) and releases the GPU,
+    # start boots it again on new external ports; both answer at once and the listing catches up later.
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            before = await fleet.market.get(host.instance_id)
+            await fleet.market.stop(host.instance_id)
+            await fleet.market.stop(host.instance_id)  # idempotent
+            stopped = await _until(fleet, host.instance_id, "stopped")
+            assert stopped.ports == {} and stopped.machine_id == before.machine_id
+            await fleet.market.start(host.instance_id)
+            running = await _until(fleet, host.instance_id, "running")
+            assert running.ports and running.ports != before.ports  # a restarted container is mapped anew
+        finally:
+            await fleet.destroy(None)
+        with pytest.raises(MarketError, match="not found"):
+            await fleet.market.stop(host.instance_id)
+
+
+async def _until(fleet, instance_id: int, status: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        instance = await fleet.market.get(instance_id)
+        if instance is not None and instance.status == status and (status != "running" or instance.ports):
+            return instance
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"instance {instance_id} not {status} after {timeout_s:g}s")

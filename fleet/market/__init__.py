@@ -219,4 +219,14 @@ class Market(Protocol):
     async def destroy(self, instance_id: int) -> None:
         """Destroy the instance. Idempotent: an instance already gone is success."""
 
+    async def stop(self, instance_id: int) -> None:
+        """Stop the instance: its processes end and its GPU is released; its disk, and the weights on it,
+        stay and are still billed (vast.ai: "Disk charges continue; no GPU charges"). The answer comes at
+        once and the instance reads `stopped` later. Idempotent. MarketError (NotFound) when it is gone."""
+
+    async def start(self, instance_id: int) -> None:
+        """Ask a stopped instance to run again. The answer comes at once; the instance then boots as a new
+        one does, on new external ports, and may first wait in `scheduling` for as long as someone else
+        holds its machine's GPU: watch it, with a deadline. Idempotent. MarketError (NotFound) when gone."""
+
     async def close(self) -> None: ...

@@ -238,6 +238,19 @@ class VastMarket:
             return
 
 
+    async def stop(self, instance_id: int) -> None:
+        await self._set_state(instance_id, "stopped")
+
+    async def start(self, instance_id: int) -> None:
+        await self._set_state(instance_id, "running")
+
+    async def _set_state(self, instance_id: int, state: str) -> None:
+        # the vastai CLI's stop/start instance: PUT with the state wanted
+        answer = await self._request("manage", "PUT", f"/api/v0/instances/{instance_id}/", json={"state": state})
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise MarketError(f"instance {instance_id}: {state} refused: {answer.get('msg') or answer.get('error')}")
+
+
 class NotFound(MarketError):
     pass
 
