@@ -67,9 +67,11 @@ class BringUp:
     conn: asyncssh.SSHClientConnection | None = None
     files: dict[str, str] = field(default_factory=dict)
     results: list[ProbeResult] = field(default_factory=list)
+    standby: bool = False  # for the standby pool: stopped once probed, STANDBY instead of READY
 
     async def run(self) -> None:
-        """Every phase in order, then READY. Raises PhaseFailed (or anything else) with the host as it was."""
+        """Every phase in order, then READY (or, for the standby pool, stopped and STANDBY). Raises PhaseFailed
+        (or anything else) with the host as it was."""
         timeouts = self.fleet.settings.timeouts
         try:
             for phase in PHASES:
@@ -88,10 +90,34 @@ class BringUp:
         finally:
             if self.conn is not None:
                 self.conn.close()
+        if self.standby:
+            await self.stop()
+            return
         if not self.fleet.record.transition(
             self.host, HostState.READY, ready_at=utcnow(), owner=None, lease_until=None
         ):
             raise Preempted("probes", self.host.state)
+
+    async def stop(self) -> None:
+        """The probed host is stopped for the standby pool: its GPU goes back, its disk and the verified
+        weights on it stay (billed at the disk's price). STANDBY once the marketplace reads it `stopped`."""
+        assert self.host.instance_id is not None
+        if not self.fleet.record.transition(self.host, HostState.STOPPING):
+            raise Preempted("stop", self.host.state)
+        limit = self.fleet.settings.timeouts.stop
+        try:
+            async with asyncio.timeout(limit):
+                async with self.fleet.waits.on("market"):
+                    await self.fleet.market.stop(self.host.instance_id)
+                await wait_stopped(self.fleet, self.host)
+        except TimeoutError:
+            raise PhaseFailed("stop", f"not stopped after {limit:g}s (timeouts.stop)") from None
+        except MarketError as e:
+            raise PhaseFailed("stop", str(e)) from None
+        if not self.fleet.record.transition(
+            self.host, HostState.STANDBY, stopped_at=utcnow(), owner=None, lease_until=None
+        ):
+            raise Preempted("stop", self.host.state)
 
     # ---- the phases ------------------------------------------------------------------------------
     async def create(self) -> None:
@@ -246,6 +272,22 @@ PHASES: tuple[Phase, ...] = (
     Phase("start", HostState.STARTING, "load", BringUp.start),
     Phase("probes", HostState.PROBING, "probes", BringUp.probe),
 )
+
+
+async def wait_stopped(fleet: Fleet, host: Host) -> None:
+    """Wait, on the shared listing, until the instance reads `stopped` (the caller bounds the wait)."""
+    assert host.instance_id is not None
+    generation = 0
+    async with fleet.watch.watching(host.instance_id):
+        while True:
+            async with fleet.waits.on("market"):
+                snapshot = await fleet.watch.next(generation)
+            generation = snapshot.generation
+            instance = snapshot.instances.get(host.instance_id)
+            if instance is not None and instance.status == "stopped":
+                return
+            if instance is not None and instance.status in ("exited", "frozen"):
+                raise PhaseFailed("stop", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
 
 
 async def wait_running(fleet: Fleet, host: Host) -> Instance:

@@ -373,6 +373,60 @@ def up_cmd(
         raise typer.Exit(1)
 
 
+@app.command("standby")
+def standby_cmd(
+    model: Model,
+    region: Region,
+    count: Annotated[int, typer.Option("--count", "-n", help="How many hosts to put in the pool.")] = 1,
+    max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h for one host.")] = None,
+    by_price: ByPrice = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Fill the standby pool: bring hosts up exactly as `fleet up` does (weights pulled and verified, probes
+    passed), then stop them. A stopped host keeps its disk and bills only for it; it is never published."""
+    settings = load_settings(config_path)
+    if count < 1:
+        fail("--count must be at least 1", 2)
+    if max_price is not None and max_price <= 0:
+        fail("--max-price must be positive", 2)
+    try:
+        settings.profile(model)
+        settings.region(region)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            return await fleet.up(UpRequest(model, region, count, max_price, by_price=by_price, standby=True))
+
+    result = run_async(go)
+    rows = [
+        {
+            "host": h.name,
+            "gpu_name": h.gpu_name,
+            "geolocation": h.geolocation,
+            "storage_usd_per_hour": h.storage_usd_per_hour,
+            "running_usd_per_hour": h.dph_total,
+        }
+        for h in result.ready
+    ]
+    if json_output:
+        attempts = [vars(a) for a in result.attempts]
+        print_json({"run_id": result.run_id, "standby": rows, "attempts": attempts, "failures": result.failures})
+    else:
+        for r in rows:
+            out.print(
+                f"[cyan]STANDBY[/cyan] {r['host']} {r['gpu_name']} {r['geolocation']}: "
+                f"${r['storage_usd_per_hour']:.4f}/h stopped (${r['running_usd_per_hour']:.4f}/h running)",
+                highlight=False,
+            )
+        for f in result.failures:
+            err.print(f"[red]not in the pool:[/red] {f}", highlight=False)
+    if len(result.ready) < count:
+        raise typer.Exit(1)
+
+
 @app.command("status")
 def status_cmd(
     all_hosts: Annotated[bool, typer.Option("--all", help="Include destroyed and failed hosts.")] = False,

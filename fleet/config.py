@@ -98,6 +98,7 @@ class Timeouts(Strict):
     pull_stall: Annotated[float, Field(gt=0)] = 120  # a pull whose bytes stop growing this long fails then
     load: Annotated[float, Field(gt=0)] = 600
     probes: Annotated[float, Field(gt=0)] = 600
+    stop: Annotated[float, Field(gt=0)] = 300  # a standby host's stop, until the marketplace reads `stopped`
 
 
 class Caps(Strict):

@@ -81,6 +81,8 @@ class UpRequest:
     max_effective_price: float | None = None
     # rank by effective $/h alone, not by the expected cost of a voice-minute (fleet/selection.py)
     by_price: bool = False
+    # for the standby pool: brought up and probed, then stopped (STANDBY), never published
+    standby: bool = False
 
 
 @dataclass
@@ -382,10 +384,14 @@ class Fleet:
             )
             result.attempts.append(report)
             try:
-                await BringUp(self, host, profile, offer).run()
+                await BringUp(self, host, profile, offer, standby=request.standby).run()
                 self._end_attempt(host, None, None)
                 self.publish_endpoints()
-                self.reporter.info(host.name, f"READY at {host.api_url} (${host.dph_total:.4f}/h)")
+                if request.standby:
+                    disk = f"${host.storage_usd_per_hour:.4f}/h for its disk"
+                    self.reporter.info(host.name, f"STANDBY: stopped with its weights ({disk})")
+                else:
+                    self.reporter.info(host.name, f"READY at {host.api_url} (${host.dph_total:.4f}/h)")
                 report.seconds = time.monotonic() - started
                 return host
             except OfferGone as e:
@@ -421,7 +427,7 @@ class Fleet:
 
         def check(open_hosts: list[Host]) -> None:
             same_model = [h for h in open_hosts if h.model == profile.name]
-            spend = sum(h.dph_total for h in open_hosts)
+            spend = sum(h.storage_usd_per_hour if h.state == HostState.STANDBY else h.dph_total for h in open_hosts)
             if len(open_hosts) + 1 > caps.max_hosts_total:
                 raise CapReached(
                     f"cap reached: {len(open_hosts)} live hosts, caps.max_hosts_total = {caps.max_hosts_total}"
@@ -456,6 +462,7 @@ class Fleet:
             inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
             inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
             effective_usd_per_hour=offer_rules.effective_price_per_hour(offer, profile),
+            storage_usd_per_hour=offer_rules.storage_price_per_hour(offer),
             slots=profile.slots,
             owner=process_owner(),
             lease_until=utcnow() + timedelta(seconds=self.settings.up.lease_s),

@@ -32,6 +32,8 @@ class HostState(enum.StrEnum):
     STARTING = "starting"  # llama-server loading
     PROBING = "probing"
     READY = "ready"
+    STOPPING = "stopping"  # brought up and probed for the standby pool: stop asked, waiting for `stopped`
+    STANDBY = "standby"  # stopped at the marketplace: weights verified on its disk, the disk alone billed
     DRAINING = "draining"  # replaced: out of the endpoints, finishing what it serves, then destroyed
     FAILED = "failed"  # a phase failed; the instance is being or has been destroyed
     DESTROYING = "destroying"
@@ -47,7 +49,11 @@ TRANSITIONS: dict[HostState, frozenset[HostState]] = {
     HostState.CONNECTING: frozenset({HostState.DESTROYING, HostState.PULLING, HostState.FAILED, HostState.DESTROYED}),
     HostState.PULLING: frozenset({HostState.DESTROYING, HostState.STARTING, HostState.FAILED, HostState.DESTROYED}),
     HostState.STARTING: frozenset({HostState.DESTROYING, HostState.PROBING, HostState.FAILED, HostState.DESTROYED}),
-    HostState.PROBING: frozenset({HostState.DESTROYING, HostState.READY, HostState.FAILED, HostState.DESTROYED}),
+    HostState.PROBING: frozenset(
+        {HostState.DESTROYING, HostState.READY, HostState.STOPPING, HostState.FAILED, HostState.DESTROYED}
+    ),
+    HostState.STOPPING: frozenset({HostState.STANDBY, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
+    HostState.STANDBY: frozenset({HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.READY: frozenset({HostState.DRAINING, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.DRAINING: frozenset({HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.DESTROYING: frozenset({HostState.DESTROYED, HostState.FAILED}),
@@ -69,6 +75,8 @@ LIVE_STATES = (
     HostState.STARTING,
     HostState.PROBING,
     HostState.READY,
+    HostState.STOPPING,
+    HostState.STANDBY,
     HostState.DRAINING,
     HostState.DESTROYING,
 )
@@ -114,6 +122,11 @@ class Host(SQLModel, table=True):
     failed_phase: str | None = None
     failure_reason: str | None = None
     accrued_usd: float | None = None  # closed cost, set when the host is destroyed
+    # The disk alone, what a stopped instance bills (the offer's price for the profile's disk), and the time
+    # the instance has spent stopped: hours of stops that ended, and the start of the one under way.
+    storage_usd_per_hour: float = 0.0
+    stopped_hours: float = 0.0
+    stopped_at: datetime | None = None
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None
     replaces: int | None = Field(default=None, foreign_key="hosts.id")  # the host this one was brought up to replace

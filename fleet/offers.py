@@ -7,6 +7,7 @@ and the funnel can say how many offers each filter removed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -72,6 +73,17 @@ def effective_price_per_hour(offer: Offer, profile: Profile) -> float:
     """$/h including the traffic the profile expects (GB/h each way at the offer's $/GB)."""
     t = profile.traffic_gb_per_hour
     return offer.dph_total + t.up * offer.inet_up_usd_per_gb + t.down * offer.inet_down_usd_per_gb
+
+
+def storage_price_per_hour(offer: Offer) -> float:
+    """What the profile's disk costs an hour on this offer: all a stopped instance bills. Search prices every
+    offer for the disk asked (`allocated_storage`) and says it apart (`storage_total_cost`, $/h)."""
+    value = offer.raw.get("storage_total_cost")
+    try:
+        price = float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+    return price if math.isfinite(price) and price >= 0 else 0.0
 
 
 def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile) -> Funnel:

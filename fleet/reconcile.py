@@ -7,6 +7,8 @@ that owner's lease runs out or the owner is seen dead. What is found:
 - a bring-up whose owner died, a failed host whose destroy never confirmed, a drain or destroy cut short:
   its instance is destroyed and the bill closed;
 - READY with a failed instance (exited, stopped): failed, blacklisted, destroyed;
+- STANDBY with a stopped instance: left alone (the standby pool: still ours, still billed for its disk);
+  a stop cut short after the marketplace stopped it: STANDBY;
 - a create cut short before its answer: the instance is found by the host's label (an instance is known by
   its label before its id), or, once vast.ai's read lag has passed, the create bought nothing.
 Then the strays: instances that carry our label prefix and belong to no open host (a label no host row
@@ -110,6 +112,15 @@ async def _settle(
         if instance.status in FAILED:
             await fleet._fail(host, "reconcile", f"instance {instance.status}", blacklist=True)
             report["failed"].append(host.name)
+    elif host.state == HostState.STANDBY:
+        # stopped on purpose, weights on its disk: ours and billed, never a failure for being stopped
+        if instance.status in FAILED - {"stopped"}:
+            await fleet._fail(host, "reconcile", f"standby instance {instance.status}", blacklist=True)
+            report["failed"].append(host.name)
+    elif host.state == HostState.STOPPING and instance.status == "stopped":
+        # the process stopping it died after the marketplace did its part: finish the move to the pool
+        fleet.record.transition(host, HostState.STANDBY, stopped_at=utcnow())
+        fleet.record.event("info", "reconcile", "stop finished: standby", host.id)
     else:
         await fleet._fail(host, host.state, f"bring-up interrupted in {host.state}", blacklist=False)
         report["failed"].append(host.name)

@@ -237,7 +237,6 @@ class VastMarket:
         except NotFound:
             return
 
-
     async def stop(self, instance_id: int) -> None:
         await self._set_state(instance_id, "stopped")
 

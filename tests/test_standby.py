@@ -1,0 +1,116 @@
+"""The standby pool (issue 13), against the strict local cloud: a host brought up and probed as `fleet up`
+does, then stopped; its disk alone billed; left alone by reconcile; removed by `fleet destroy --all`."""
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from fleet.bill import accrued_usd, bill, hours_billed
+from fleet.lifecycle import UpRequest
+from fleet.models import HostState
+from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
+
+
+async def test_a_standby_host_is_probed_stopped_billed_for_its_disk_and_left_alone(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu", standby=True))
+        [host] = result.ready
+        try:
+            assert host.state == HostState.STANDBY and host.owner is None
+            assert host.ready_at is None and host.stopped_at is not None
+            assert fleet.endpoints() == []  # never published
+            ran = [r.name for r in fleet.record.probe_runs(host.id)]
+            assert ran == ["smoke", "cache", "keepalive"]  # the whole path, probes included
+            instance = await fleet.market.get(host.instance_id)
+            assert instance.status == "stopped"
+            charges = [c for c in cloud.state()["charges"] if c["instance_id"] == host.instance_id]
+            assert [c["kind"] for c in charges] == ["gpu", "storage"] and charges[-1]["end"] is None
+            assert 0 < host.storage_usd_per_hour == pytest.approx(charges[-1]["dph_total"])
+            assert host.storage_usd_per_hour < host.dph_total / 10
+
+            # an hour in the pool costs the disk's hour, not the GPU's
+            later = host.stopped_at + timedelta(hours=1)
+            running = (host.stopped_at - host.created_at).total_seconds() / 3600
+            assert accrued_usd(host, later) == pytest.approx(host.dph_total * running + host.storage_usd_per_hour)
+            [line] = bill([host], later).lines
+            assert line.standby_hours == pytest.approx(1.0)
+
+            report = await fleet.reconcile()  # a stopped instance of a standby host is no failure
+            assert report["failed"] == [] and report["destroyed"] == [] and report["strays_destroyed"] == []
+            assert fleet.record.host(host.id).state == HostState.STANDBY
+            [row] = fleet.status()
+            assert row["state"] == "standby"
+        finally:
+            destroyed = await fleet.destroy(None)  # `fleet destroy --all` takes the pool too
+        assert await fleet.market.get(host.instance_id) is None
+    assert [h.name for h in destroyed.done] == [host.name]
+    closed = fleet.record.host(host.id)
+    assert closed.state == HostState.DESTROYED and closed.destroyed_at is not None
+    assert closed.accrued_usd == pytest.approx(accrued_usd(closed), rel=1e-3)  # the disk's rate while stopped
+    assert closed.accrued_usd < closed.dph_total * hours_billed(closed)
+
+
+async def test_caps_count_a_standby_host_at_its_disks_price(cloud, tmp_path):
+    # One host in the pool, and a cap on $/h that the next host fits only if the parked one counts at its
+    # disk's price rather than its running price.
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        try:
+            nxt = (await ranked_offers(settings))[0]
+            assert nxt.machine_id != parked.machine_id
+            cap = nxt.dph_total + 2 * parked.storage_usd_per_hour
+            assert nxt.dph_total + parked.dph_total > cap  # counted at its running price, it would block
+            capped = settings.model_copy(update={"caps": settings.caps.model_copy(update={"max_usd_per_hour": cap})})
+            async with fleet_for(capped) as second:
+                result = await second.up(UpRequest("tiny", "eu", max_price=nxt.dph_total))
+            assert len(result.ready) == 1, result.failures
+        finally:
+            await fleet.destroy(None)
+
+
+def test_standby_refuses_bad_input_with_one_line(tmp_path):
+    config = write_config(tmp_path, "")
+    for args, message in (
+        (["--count", "0"], "--count must be at least 1"),
+        (["--max-price", "-1"], "--max-price must be positive"),
+    ):
+        cli = subprocess.run(
+            [sys.executable, "-m", "fleet", "standby", "--model", "tiny", "--region", "eu", *args],
+            env={**os.environ, "FLEET_CONFIG": str(config)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 2 and message in cli.stderr and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+async def test_fleet_standby_on_the_command_line_says_what_the_pool_costs(cloud, tmp_path):
+    config = write_config(tmp_path, "")
+    cli = subprocess.run(
+        [sys.executable, "-m", "fleet", "standby", "--model", "tiny", "--region", "eu", "--json"],
+        env={**os.environ, "FLEET_CONFIG": str(config)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    try:
+        assert cli.returncode == 0, cli.stderr
+        [row] = json.loads(cli.stdout)["standby"]
+        assert 0 < row["storage_usd_per_hour"] < row["running_usd_per_hour"]
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "fleet", "destroy", "--all", "--yes"],
+            env={**os.environ, "FLEET_CONFIG": str(config)},
+            capture_output=True,
+            timeout=300,
+        )
