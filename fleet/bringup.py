@@ -62,12 +62,13 @@ class BringUp:
     fleet: Fleet
     host: Host
     profile: Profile
-    offer: Offer
+    offer: Offer | None  # None when resuming a standby host: there is nothing to rent
     instance: Instance | None = None
     conn: asyncssh.SSHClientConnection | None = None
     files: dict[str, str] = field(default_factory=dict)
     results: list[ProbeResult] = field(default_factory=list)
     standby: bool = False  # for the standby pool: stopped once probed, STANDBY instead of READY
+    resume: bool = False  # a standby host started again: no create, no download (the pull verifies), then READY
 
     async def run(self) -> None:
         """Every phase in order, then READY (or, for the standby pool, stopped and STANDBY). Raises PhaseFailed
@@ -75,14 +76,17 @@ class BringUp:
         timeouts = self.fleet.settings.timeouts
         try:
             for phase in PHASES:
+                if self.resume and phase.name == "create":
+                    continue
                 if self.host.state != phase.state and not self.fleet.record.transition(self.host, phase.state):
                     raise Preempted(phase.name, self.host.state)
-                limit = getattr(timeouts, phase.timeout) if phase.timeout else None
+                timeout = "standby_start" if self.resume and phase.name == "boot" else phase.timeout
+                limit = getattr(timeouts, timeout) if timeout else None
                 try:
                     async with asyncio.timeout(limit + GRACE_S if limit else None):
                         await phase.run(self)
                 except TimeoutError:
-                    raise PhaseFailed(phase.name, f"not done after {limit:g}s (timeouts.{phase.timeout})") from None
+                    raise PhaseFailed(phase.name, f"not done after {limit:g}s (timeouts.{timeout})") from None
                 except (asyncssh.Error, OSError, httpx.HTTPError, RemoteError) as e:
                     # the host went away under us (connection lost, reset, refused): this machine failed here
                     raise PhaseFailed(phase.name, f"{type(e).__name__}: {e}") from None
@@ -122,6 +126,7 @@ class BringUp:
     # ---- the phases ------------------------------------------------------------------------------
     async def create(self) -> None:
         fleet, host, offer = self.fleet, self.host, self.offer
+        assert offer is not None
         spec = InstanceSpec(
             image=fleet.settings.provider.image,
             disk_gb=self.profile.disk_gb,
@@ -162,7 +167,7 @@ class BringUp:
         fleet.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
 
     async def boot(self) -> None:
-        self.instance = await wait_running(self.fleet, self.host)
+        self.instance = await wait_running(self.fleet, self.host, resuming=self.resume)
         self.fleet.record.update(self.host, running_at=utcnow())
 
     async def connect(self) -> None:
@@ -290,16 +295,19 @@ async def wait_stopped(fleet: Fleet, host: Host) -> None:
                 raise PhaseFailed("stop", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
 
 
-async def wait_running(fleet: Fleet, host: Host) -> Instance:
+async def wait_running(fleet: Fleet, host: Host, resuming: bool = False) -> Instance:
     """Wait, on the shared listing, until the instance runs with its SSH and service ports mapped.
 
     Tolerated: not listed yet (vast.ai's reads lag create, up to timeouts.instance_visible) and a late
     heartbeat (`offline`/`unknown`, up to timeouts.heartbeat_gap). Fails fast on a container that cannot
-    start, on a failed state, and on an instance that was listed and then is not."""
+    start, on a failed state, and on an instance that was listed and then is not. `resuming`: a standby
+    instance just asked to start, which may still read `stopped` and then wait in `scheduling` for its
+    machine's GPU: bounded by timeouts.standby_start instead."""
     assert host.instance_id is not None
     timeouts: Timeouts = fleet.settings.timeouts
     started = time.monotonic()
-    deadline = started + timeouts.create_to_running
+    bound = "standby_start" if resuming else "create_to_running"
+    deadline = started + getattr(timeouts, bound)
     seen = False
     lost_since: float | None = None
     generation = 0
@@ -325,7 +333,7 @@ async def wait_running(fleet: Fleet, host: Host) -> Instance:
                 return instance
             if error := instance.boot_error():
                 raise PhaseFailed("boot", f"the container cannot start: {error}")
-            if instance.status in FAILED:
+            if instance.status in FAILED and not (resuming and instance.status == "stopped"):
                 raise PhaseFailed("boot", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
             if instance.status in HEARTBEAT_LOST:
                 lost_since = lost_since or now
@@ -338,8 +346,7 @@ async def wait_running(fleet: Fleet, host: Host) -> Instance:
             if now >= deadline:
                 raise PhaseFailed(
                     "boot",
-                    f"still {instance.status or 'provisioning'} after {timeouts.create_to_running:g}s "
-                    "(timeouts.create_to_running)",
+                    f"still {instance.status or 'provisioning'} after {getattr(timeouts, bound):g}s (timeouts.{bound})",
                 )
 
 

@@ -99,6 +99,9 @@ class Timeouts(Strict):
     load: Annotated[float, Field(gt=0)] = 600
     probes: Annotated[float, Field(gt=0)] = 600
     stop: Annotated[float, Field(gt=0)] = 300  # a standby host's stop, until the marketplace reads `stopped`
+    # A standby host's start, until it runs: past it (its machine's GPU taken by someone else, say) the
+    # host is destroyed and a cold bring-up takes its place.
+    standby_start: Annotated[float, Field(gt=0)] = 120
 
 
 class Caps(Strict):

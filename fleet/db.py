@@ -173,7 +173,12 @@ class Record:
         self.add(Event(kind=kind, action=action, detail=detail, host_id=host_id))
 
     def hosts(
-        self, *, states: tuple[str, ...] | None = None, model: str | None = None, names: list[str] | None = None
+        self,
+        *,
+        states: tuple[str, ...] | None = None,
+        model: str | None = None,
+        names: list[str] | None = None,
+        region: str | None = None,
     ) -> list[Host]:
         with session(self.engine) as s:
             q = select(Host)
@@ -181,6 +186,8 @@ class Record:
                 q = q.where(col(Host.state).in_(states))
             if model is not None:
                 q = q.where(Host.model == model)
+            if region is not None:
+                q = q.where(Host.region == region)
             if names is not None:
                 q = q.where(col(Host.name).in_(names))
             return list(s.exec(q.order_by(Host.id)))

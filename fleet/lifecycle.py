@@ -27,7 +27,7 @@ import httpx
 
 from fleet import chat_template, failpoints, ggufhead
 from fleet import offers as offer_rules
-from fleet.bill import accrued_usd
+from fleet.bill import accrued_usd, stopped_hours
 from fleet.bringup import SERVICE_PORT, BringUp
 from fleet.capacity import Capacity, capacity, next_level, usd_per_voice_minute
 from fleet.config import Profile, Settings
@@ -98,6 +98,7 @@ class AttemptReport:
     phase: str | None = None
     reason: str | None = None
     seconds: float = 0.0
+    resumed: bool = False  # a host of the standby pool started again, not a new rent
 
 
 @dataclass(frozen=True)
@@ -359,6 +360,10 @@ class Fleet:
     async def _bring_up_one(
         self, run_id: str, profile: Profile, request: UpRequest, picker: OfferPicker, result: UpResult
     ) -> Host | str:
+        if not request.standby:
+            resumed = await self._resume_one(run_id, profile, request, result)
+            if resumed is not None:
+                return resumed
         tried: set[int] = set()
         last_reason = "no offer passed the filters"
         for _ in range(self.settings.up.max_attempts):
@@ -419,6 +424,72 @@ class Fleet:
             last_reason = report.reason or last_reason
             self.reporter.info(host.name, f"failed in {report.phase}: {report.reason}; trying the next offer")
         return f"gave up after {self.settings.up.max_attempts} attempts (last: {last_reason})"
+
+    async def _resume_one(self, run_id: str, profile: Profile, request: UpRequest, result: UpResult) -> Host | None:
+        """A host of the standby pool for this profile and region, started, its files verified, probed and
+        READY; None when the pool has none free, or when the one taken did not come back in time (it is
+        destroyed, and a cold bring-up follows). Taking one is a compare-and-set STANDBY -> BOOTING: two
+        bring-ups, here or in another process, never take the same host."""
+        blacklisted = self.record.blacklisted_machines(self.market.url, utcnow())
+        for host in self.record.hosts(states=(HostState.STANDBY,), model=profile.name, region=request.region):
+            if host.machine_id in blacklisted:
+                continue  # blacklisted since it was parked
+            if request.max_price is not None and host.dph_total > request.max_price:
+                continue
+            if request.max_effective_price is not None and host.effective_usd_per_hour > request.max_effective_price:
+                continue  # a reprice moves to cheaper hosts only
+            if not self.claim(host):
+                continue
+            stopped = stopped_hours(host)
+            if not self.record.transition(host, HostState.BOOTING, stopped_hours=stopped, stopped_at=None):
+                self.record.release(host)
+                continue
+            assert host.instance_id is not None
+            self.record.add(
+                Attempt(
+                    run_id=run_id,
+                    host_id=host.id,
+                    model=profile.name,
+                    offer_id=host.offer_id,
+                    machine_id=host.machine_id,
+                    dph_total=host.dph_total,
+                    inet_usd_per_gb=max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb),
+                )
+            )
+            report = AttemptReport(
+                host.name,
+                host.offer_id,
+                host.machine_id,
+                host.gpu_name,
+                host.geolocation,
+                host.dph_total,
+                max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb),
+                outcome="ready",
+                resumed=True,
+            )
+            result.attempts.append(report)
+            started = time.monotonic()
+            self.reporter.info(host.name, "taken from the standby pool: starting its instance")
+            try:
+                async with self.waits.on("market"):
+                    await self.market.start(host.instance_id)
+                await BringUp(self, host, profile, None, resume=True).run()
+            except (PhaseFailed, MarketError) as e:
+                phase, reason = (e.phase, e.reason) if isinstance(e, PhaseFailed) else ("boot", str(e))
+                report.outcome, report.phase, report.reason = "failed", phase, reason
+                report.seconds = time.monotonic() - started
+                self.reporter.info(host.name, f"did not come back from standby ({phase}: {reason}); a cold bring-up")
+                await self._contained_fail(host, phase, reason, blacklist=False)
+                return None
+            except BaseException:
+                await _to_the_end(self._contained_fail(host, host.state, "interrupted", False))
+                raise
+            self._end_attempt(host, None, None)
+            self.publish_endpoints()
+            report.seconds = time.monotonic() - started
+            self.reporter.info(host.name, f"READY from standby at {host.api_url} in {report.seconds:.1f}s")
+            return host
+        return None
 
     async def _intent_to_create(self, run_id: str, profile: Profile, request: UpRequest, offer: Offer) -> Host:
         """Check the caps and write the host row (owned by this process) before the create call, in one

@@ -53,7 +53,8 @@ TRANSITIONS: dict[HostState, frozenset[HostState]] = {
         {HostState.DESTROYING, HostState.READY, HostState.STOPPING, HostState.FAILED, HostState.DESTROYED}
     ),
     HostState.STOPPING: frozenset({HostState.STANDBY, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
-    HostState.STANDBY: frozenset({HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
+    # taken from the pool: started again, it boots, connects, verifies its files and is probed like a new one
+    HostState.STANDBY: frozenset({HostState.BOOTING, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.READY: frozenset({HostState.DRAINING, HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.DRAINING: frozenset({HostState.DESTROYING, HostState.FAILED, HostState.DESTROYED}),
     HostState.DESTROYING: frozenset({HostState.DESTROYED, HostState.FAILED}),

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 
+from fleet import rotation
 from fleet.bill import accrued_usd, bill, hours_billed
 from fleet.lifecycle import UpRequest
 from fleet.models import HostState
@@ -114,3 +115,55 @@ async def test_fleet_standby_on_the_command_line_says_what_the_pool_costs(cloud,
             capture_output=True,
             timeout=300,
         )
+
+
+async def test_up_takes_a_standby_host_first_and_it_serves_again(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        try:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+            [host] = result.ready
+            [attempt] = result.attempts
+            assert (host.name, host.instance_id) == (parked.name, parked.instance_id)  # no new rent
+            assert attempt.resumed and attempt.outcome == "ready"
+            assert host.state == HostState.READY and host.stopped_at is None and host.stopped_hours > 0
+            assert [e["name"] for e in fleet.endpoints()] == [host.name]
+            ran = [r.name for r in fleet.record.probe_runs(host.id)]
+            assert ran == ["smoke", "cache", "keepalive"] * 2  # probed again once started
+            [probe] = await fleet.probe(host.name, only=["smoke"])  # it serves, on its new ports
+            assert probe.passed, probe.diagnosis
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_a_standby_host_that_waits_for_its_gpu_is_destroyed_and_a_cold_host_takes_its_place(cloud, tmp_path):
+    settings = settings_for(tmp_path, timeouts={"standby_start": 3})
+    async with fleet_for(settings) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        cloud.set_faults({"gpu_taken": [parked.machine_id]})  # another renter took its GPU meanwhile
+        try:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+            [stuck, cold] = result.attempts
+            [host] = result.ready
+        finally:
+            cloud.set_faults({})
+            await fleet.destroy(None)
+        assert stuck.resumed and stuck.outcome == "failed" and stuck.phase == "boot"
+        assert "still scheduling after 3s (timeouts.standby_start)" in stuck.reason
+        assert not cold.resumed and host.name == cold.host != parked.name
+        gone = fleet.record.host(parked.id)
+        assert gone.state == HostState.FAILED and gone.destroyed_at is not None
+        assert await fleet.market.get(parked.instance_id) is None
+
+
+async def test_make_before_break_takes_the_standby_host(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [serving] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        try:
+            new = await rotation.replace(fleet, serving, "unhealthy (test)", blacklist=False)
+            assert new is not None and new.name == parked.name  # from the pool, not a new rent
+            assert [e["name"] for e in fleet.endpoints()] == [parked.name]
+            assert fleet.record.host(serving.id).destroyed_at is not None
+        finally:
+            await fleet.destroy(None)
