@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleet import config, report, rotation
+from fleet import config, report, rotation, sizing
 from fleet.app import open_fleet
 from fleet.bill import bill
 from fleet.capacity import judge_level
@@ -439,12 +439,14 @@ def status_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
-            return fleet.status(include_ended=all_hosts)
+            return fleet.status(include_ended=all_hosts), [sizing.observe(fleet, t) for t in settings.serve]
 
-    hosts = run_async(go)
+    hosts, targets = run_async(go)
     if json_output:
         print_json(hosts)
         return
+    for t in targets:  # what `fleet serve` and the daemon keep ([[serve]] in fleet.toml)
+        out.print(t.line(), highlight=False)
     if not hosts:
         out.print("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
         return
@@ -465,6 +467,37 @@ def status_cmd(
             h["endpoint"] or "-",
         )
     out.print(table)
+
+
+@app.command("serve")
+def serve_cmd(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be done; do nothing.")] = False,
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Keep each [[serve]] target of fleet.toml once (what `fleet daemon` does on every health sweep): READY
+    capacity for its calls with headroom, more hosts taken from the standby pool first, the surplus drained
+    and destroyed, the pool refilled."""
+    settings = load_settings(config_path)
+    if not settings.serve:
+        fail(f"{settings.source}: no serve target (`serve` tables: model, region, calls, headroom, standby)", 2)
+
+    async def go() -> Any:
+        async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
+            if dry_run:
+                return [sizing.observe(fleet, t) for t in settings.serve]
+            return [await sizing.keep(fleet, t) for t in settings.serve]
+
+    results = run_async(go)
+    if json_output:
+        print_json([r.as_dict() for r in results])
+        return
+    for r in results:
+        out.print(r.line(), highlight=False)
+        if dry_run:
+            out.print(f"  would do: up {r.up} (pool first), drain {list(r.drain) or 'none'}, pool +{r.refill}")
+        else:
+            out.print(f"  did: {json.dumps(r.done) if r.done else 'nothing'}", highlight=False)
 
 
 @app.command("report")

@@ -267,6 +267,18 @@ class Probes(Strict):
     thermal_max_memory_c: Annotated[float, Field(gt=0)] = 95
 
 
+class Serve(Strict):
+    """What the daemon keeps for one profile in one region: READY capacity for `calls` concurrent calls with
+    `headroom` on top, and `standby` stopped hosts in the pool. Capacity is each READY host's measured
+    callers at the voice target (`fleet bench`), or its profile's slots until measured."""
+
+    model: str
+    region: str
+    calls: Annotated[int, Field(ge=0)] = 0  # 0: no sizing, only the pool
+    headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
+    standby: Annotated[int, Field(ge=0, le=64)] = 0
+
+
 class Settings(Strict):
     source: Path = Path(DEFAULT_CONFIG)
     provider: Provider
@@ -281,6 +293,7 @@ class Settings(Strict):
     plan: PlanConfig = PlanConfig()
     rotation: Rotation = Rotation()
     models: dict[str, Profile]
+    serve: list[Serve] = []
 
     @field_validator("models")
     @classmethod
@@ -300,6 +313,19 @@ class Settings(Strict):
             if bad:
                 raise ValueError(f"{name}: country codes must be two capital letters, not {bad}")
         return v
+
+    @model_validator(mode="after")
+    def _serve(self) -> Settings:
+        seen: set[tuple[str, str]] = set()
+        for i, target in enumerate(self.serve):
+            if target.model not in self.models:
+                raise ValueError(f"serve.{i}.model: no model profile {target.model!r}")
+            if target.region not in self.regions and not re.fullmatch(r"[A-Z]{2}", target.region):
+                raise ValueError(f"serve.{i}.region: no region {target.region!r}")
+            if (target.model, target.region) in seen:
+                raise ValueError(f"serve.{i}: {target.model} in {target.region} is named twice")
+            seen.add((target.model, target.region))
+        return self
 
     def profile(self, name: str) -> Profile:
         if name not in self.models:

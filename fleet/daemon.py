@@ -33,6 +33,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from fleet import config, db, rotation
+from fleet import sizing as sizing_mod
 from fleet.app import open_fleet
 from fleet.bill import accrued_usd
 from fleet.errors import FleetError
@@ -155,6 +156,15 @@ async def run_reprice(config_path: str) -> None:
     await _run("reprice", config_path, lambda r: 3600, work)  # a cron job: one run per hour at most
 
 
+async def run_serve(config_path: str) -> None:
+    async def work(fleet: Fleet) -> None:
+        for target in fleet.settings.serve:
+            sizing = await sizing_mod.keep(fleet, target)
+            log.info("serve: %s; did %s", sizing.line(), json.dumps(sizing.done) if sizing.done else "nothing")
+
+    await _run("serve", config_path, lambda r: r.health_every_s, work)
+
+
 class FleetCollector(Collector):
     """Metrics read from the record at each scrape: hosts by state and model, $/h, cost, probe verdicts,
     replacements and why."""
@@ -217,6 +227,8 @@ def build_scheduler(settings: config.Settings, config_path: str, engine: Engine)
     ]
     if rot.thermal_every_s:
         jobs.append(("thermal", "fleet.daemon:run_thermal", IntervalTrigger(seconds=rot.thermal_every_s)))
+    if settings.serve:  # READY capacity sized to calls and the standby pool, on the health sweep's beat
+        jobs.append(("serve", "fleet.daemon:run_serve", IntervalTrigger(seconds=rot.health_every_s)))
     for job_id, func, trigger in jobs:
         scheduler.add_job(func, trigger, args=[config_path], id=job_id, name=job_id, replace_existing=True)
     return scheduler

@@ -1,0 +1,132 @@
+"""Sized to calls: READY capacity kept at a profile's target in a region, and the standby pool kept full.
+
+`decide` is pure, over what the record holds: the callers each READY host holds (its latest `fleet bench`
+capacity, else its profile's slots), the hosts coming up, the pool. `keep` acts on it: more hosts with
+`fleet up` (which takes pool hosts before it rents), the surplus retired make-before-break's way (drained,
+then destroyed), the pool refilled with `fleet up --standby`. A target of 0 calls sizes nothing: hosts a
+person brought up are never drained for want of a target.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fleet.config import Serve
+from fleet.models import Host, HostState
+
+if TYPE_CHECKING:
+    from fleet.lifecycle import Fleet
+
+COMING_UP = (
+    HostState.CREATING,
+    HostState.BOOTING,
+    HostState.CONNECTING,
+    HostState.PULLING,
+    HostState.STARTING,
+    HostState.PROBING,
+)
+POOL = (HostState.STOPPING, HostState.STANDBY)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    model: str
+    region: str
+    calls: int
+    target_callers: int  # calls x (1 + headroom), rounded up; 0: no sizing
+    capacity: int  # callers the READY hosts hold
+    in_flight: int  # hosts coming up
+    pool: int  # hosts in the standby pool
+    pool_target: int
+    per_host: int  # callers a new host is expected to hold
+    up: int  # hosts to bring up now (pool hosts first)
+    drain: tuple[str, ...]  # READY hosts to retire now: the dearest per caller first
+    refill: int  # hosts to add to the pool
+    done: dict[str, Any] = field(default_factory=dict)  # what `keep` did
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "drain": list(self.drain)}
+
+    def line(self) -> str:
+        target = (
+            f"target {self.target_callers} callers ({self.calls} calls + headroom)" if self.calls else "no call target"
+        )
+        return (
+            f"{self.model} in {self.region}: {target}, READY capacity {self.capacity}, in flight {self.in_flight}, "
+            f"standby pool {self.pool}/{self.pool_target}"
+        )
+
+
+def decide(target: Serve, ready: list[tuple[Host, int]], in_flight: int, pool: int, slots: int) -> Sizing:
+    """What to do now for `target`, given the READY hosts with the callers each holds, the number coming up
+    and in the pool, and the profile's slots (a new host's callers until a host is measured)."""
+    measured = [callers for _, callers in ready]
+    per_host = max(int(statistics.median(measured)) if measured else slots, 1)
+    need = math.ceil(target.calls * (1 + target.headroom)) if target.calls else 0
+    capacity = sum(measured)
+    up, drain = 0, []
+    if target.calls:
+        coming = in_flight * per_host
+        if capacity + coming < need:
+            up = math.ceil((need - capacity - coming) / per_host)
+        elif in_flight == 0:  # scale down only once nothing is coming up
+            left = capacity
+            dearest = sorted(ready, key=lambda hc: hc[0].effective_usd_per_hour / max(hc[1], 1), reverse=True)
+            for host, callers in dearest:
+                if left - callers >= need:
+                    drain.append(host.name)
+                    left -= callers
+    refill = max(target.standby - (pool - min(up, pool)), 0)
+    return Sizing(
+        target.model,
+        target.region,
+        target.calls,
+        need,
+        capacity,
+        in_flight,
+        pool,
+        target.standby,
+        per_host,
+        up,
+        tuple(drain),
+        refill,
+    )
+
+
+def observe(fleet: Fleet, target: Serve) -> Sizing:
+    """`decide` over the record as it is now (nothing done)."""
+    hosts = fleet.record.hosts(model=target.model, region=target.region)
+    ready = [h for h in hosts if h.state == HostState.READY]
+    benches = fleet.record.latest_bench([h.id for h in ready if h.id is not None])
+    callers = [(h, benches[h.id].capacity if h.id in benches else h.slots) for h in ready]
+    in_flight = sum(1 for h in hosts if h.state in COMING_UP)
+    pool = sum(1 for h in hosts if h.state in POOL)
+    return decide(target, callers, in_flight, pool, fleet.settings.profile(target.model).slots)
+
+
+async def keep(fleet: Fleet, target: Serve) -> Sizing:
+    """Act on `observe`: bring up (pool first), retire the surplus, refill the pool."""
+    from fleet import rotation
+    from fleet.lifecycle import UpRequest
+
+    sizing = observe(fleet, target)
+    done: dict[str, Any] = {}
+    if sizing.up:
+        result = await fleet.up(UpRequest(target.model, target.region, count=sizing.up))
+        done["up"] = [h.name for h in result.ready]
+        done["up_from_pool"] = [a.host for a in result.attempts if a.resumed and a.outcome == "ready"]
+        done["up_failures"] = result.failures
+    for name in sizing.drain:
+        [host] = fleet.record.hosts(names=[name])
+        await rotation.retire(fleet, host, "sized to calls: surplus capacity", blacklist=False)
+        done.setdefault("drained", []).append(name)
+    refill = max(target.standby - sum(1 for h in fleet.record.hosts(model=target.model, region=target.region)
+                                      if h.state in POOL), 0)  # fmt: skip
+    if refill:
+        result = await fleet.up(UpRequest(target.model, target.region, count=refill, standby=True))
+        done["pooled"] = [h.name for h in result.ready]
+        done["pool_failures"] = result.failures
+    return Sizing(**{**asdict(sizing), "drain": sizing.drain, "done": done})
