@@ -1,6 +1,7 @@
 """The standby pool (issue 13), against the strict local cloud: a host brought up and probed as `fleet up`
 does, then stopped; its disk alone billed; left alone by reconcile; removed by `fleet destroy --all`."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -165,5 +166,23 @@ async def test_make_before_break_takes_the_standby_host(cloud, tmp_path):
             assert new is not None and new.name == parked.name  # from the pool, not a new rent
             assert [e["name"] for e in fleet.endpoints()] == [parked.name]
             assert fleet.record.host(serving.id).destroyed_at is not None
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_two_bring_ups_racing_for_one_pool_host_take_it_once(cloud, tmp_path):
+    # Two `fleet up`s at once (two fleets on one database, as two processes would be) and one host in the pool:
+    # the compare-and-set STANDBY -> BOOTING lets exactly one of them take it; the other rents.
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet, fleet_for(settings) as other:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        try:
+            a, b = await asyncio.gather(fleet.up(UpRequest("tiny", "eu")), other.up(UpRequest("tiny", "eu")))
+            attempts = [*a.attempts, *b.attempts]
+            assert len(a.ready) == len(b.ready) == 1
+            assert sorted(x.resumed for x in attempts) == [False, True]
+            [resumed] = [x for x in attempts if x.resumed]
+            assert resumed.host == parked.name and resumed.outcome == "ready"
+            assert len({h.instance_id for h in [*a.ready, *b.ready]}) == 2
         finally:
             await fleet.destroy(None)
