@@ -113,8 +113,27 @@ def host_fault(make: Callable[[list[int]], dict]) -> Callable[[Bed, random.Rando
     return act
 
 
+STANDBY = ["standby", "--model", "tiny", "--region", "eu", "--count", "1"]
+
+
+def crash_mid_stop(bed: Bed, rng: random.Random) -> None:
+    bed.fleet(*STANDBY, crash_at="mid_stop")  # reconcile finds it stopped and puts it in the pool
+
+
+def standby_gpu_taken(bed: Bed, rng: random.Random) -> None:
+    bed.fleet(*STANDBY)
+    [parked] = json.loads(bed.fleet("status", "--json").stdout)
+    bed.faults({"gpu_taken": [parked["machine_id"]]})
+    bed.fleet(*UP)  # the pool host waits for its GPU past timeouts.standby_start: destroyed, cold hosts instead
+    bed.faults({})
+
+
 def racing_reconcile(bed: Bed, rng: random.Random) -> None:
-    argv = [sys.executable, "-m", "fleet.cli", *UP]
+    racing(bed, rng, UP)
+
+
+def racing(bed: Bed, rng: random.Random, command: list[str]) -> None:
+    argv = [sys.executable, "-m", "fleet.cli", *command]
     with subprocess.Popen(argv, env=bed.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as up:
         while up.poll() is None:
             bed.fleet("reconcile")
@@ -134,6 +153,9 @@ FAULTS: dict[str, Callable[[Bed, random.Random], None]] = {
     "server never healthy": host_fault(lambda m: {"freeze_server": m[:1]}),
     "heartbeat gap at boot": host_fault(lambda m: {"heartbeat_gap": {str(m[0]): {"after_s": 0, "for_s": 5}}}),
     "reconcile racing up": racing_reconcile,
+    "crash mid-stop (standby)": crash_mid_stop,
+    "standby host's GPU taken": standby_gpu_taken,
+    "reconcile racing standby": lambda bed, rng: racing(bed, rng, STANDBY),
 }
 
 
@@ -147,6 +169,7 @@ def one_run(name: str, seed: int, root: Path) -> Run:
     text = text.replace("ssh = 120", "ssh = 20")
     text = text.replace("request_timeout_s = 30 ", "request_timeout_s = 3  ")
     text = text.replace("instance_visible = 60 ", "instance_visible = 10 ")
+    text = text.replace("standby_start = 120 ", "standby_start = 5   ")
     config.write_text(text)
     bed = Bed(
         directory, cloud, {**os.environ, "FLEET_CONFIG": str(config), "FLEET_LOCALCLOUD_DIR": str(cloud.state_dir)}

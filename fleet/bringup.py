@@ -113,6 +113,7 @@ class BringUp:
             async with asyncio.timeout(limit):
                 async with self.fleet.waits.on("market"):
                     await self.fleet.market.stop(self.host.instance_id)
+                failpoints.reach("mid_stop")
                 await wait_stopped(self.fleet, self.host)
         except TimeoutError:
             raise PhaseFailed("stop", f"not stopped after {limit:g}s (timeouts.stop)") from None
@@ -200,6 +201,11 @@ class BringUp:
                 failpoints.reach("mid_pull")
             fleet.reporter.progress(host.name, name, done, total)
 
+        if self.resume:
+            async with fleet.waits.on("pull"):
+                token = os.environ.get(fleet.settings.hub.token_env, "")
+                self.files = await hostops.kept_files(self.conn, self.profile, fleet.hub_url, token)
+            return
         async with fleet.waits.on("pull"):
             self.files = await hostops.pull_files(
                 self.conn,

@@ -124,6 +124,26 @@ async def pull_files(
     return paths
 
 
+async def kept_files(
+    conn: asyncssh.SSHClientConnection, profile: Profile, hub_url: str, hf_token: str
+) -> dict[str, str]:
+    """A standby host's files, on the disk it kept while stopped: each verified by sha256 before the stop,
+    now checked for its size against the hub's (a hash of 15-20 GB would cost a resume most of its gain)."""
+    paths: dict[str, str] = {}
+    for f in profile.files:
+        _, size = await linked_etag(f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}", hf_token)
+        dest = f"{MODELS_DIR}/{f.file}"
+        try:
+            result = await run(conn, ["stat", "-c", "%s", dest], timeout_s=30)
+        except RemoteError as e:
+            raise PhaseFailed("pull", f"{f.file}: not on the kept disk ({e})") from None
+        have = str(result.stdout or "").strip()
+        if have != str(size):
+            raise PhaseFailed("pull", f"{f.file}: {have} bytes on the kept disk, the hub says {size}")
+        paths[f.key] = dest
+    return paths
+
+
 async def start_server(
     conn: asyncssh.SSHClientConnection,
     profile: Profile,

@@ -186,3 +186,20 @@ async def test_two_bring_ups_racing_for_one_pool_host_take_it_once(cloud, tmp_pa
             assert len({h.instance_id for h in [*a.ready, *b.ready]}) == 2
         finally:
             await fleet.destroy(None)
+
+
+async def test_a_pool_host_whose_kept_file_changed_is_destroyed_and_a_cold_host_takes_its_place(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        kept = cloud.info.state_dir / "hosts" / str(parked.instance_id) / "root" / "models" / "tiny-llama-bytes.gguf"
+        size = kept.stat().st_size
+        os.truncate(kept, size // 2)  # the disk kept something else than what was verified
+        try:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+            [stale, cold] = result.attempts
+            [host] = result.ready
+        finally:
+            await fleet.destroy(None)
+    assert stale.resumed and stale.phase == "pull"
+    assert f"{size // 2} bytes on the kept disk, the hub says {size}" in stale.reason
+    assert host.name == cold.host != parked.name
