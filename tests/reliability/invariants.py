@@ -45,16 +45,20 @@ def settled(state_dir: Path, databases: list[Path], *, cost_slack_s: float = 180
     by_label: dict[str, list[int]] = {}
     for charge in books["charges"]:
         by_label.setdefault(charge["label"] or "", []).append(charge["instance_id"])
-    found.duplicates = sorted(label for label, ids in by_label.items() if label and len(ids) > 1)
+    # one instance may have several charges (running, stopped for the standby pool, running again): a label
+    # bought twice is one with more than one instance
+    found.duplicates = sorted(label for label, ids in by_label.items() if label and len(set(ids)) > 1)
     known = {h["instance_id"] for h in hosts if h["instance_id"] is not None}
     found.lost = sorted(c["instance_id"] for c in books["charges"] if c["instance_id"] not in known)
     found.open_bills = sorted(h["name"] for h in hosts if h["destroyed_at"] is None)
-    charges = {c["instance_id"]: c for c in books["charges"]}
+    charges: dict[int, list[dict]] = {}
+    for c in books["charges"]:
+        charges.setdefault(c["instance_id"], []).append(c)
     for h in hosts:
-        charge = charges.get(h["instance_id"])
-        if charge is None or charge["end"] is None or h["accrued_usd"] is None:
+        mine = charges.get(h["instance_id"])
+        if not mine or any(c["end"] is None for c in mine) or h["accrued_usd"] is None:
             continue
-        true_cost = charge["dph_total"] * (charge["end"] - charge["start"]) / 3600
+        true_cost = sum(c["dph_total"] * (c["end"] - c["start"]) / 3600 for c in mine)
         if abs(h["accrued_usd"] - true_cost) > h["dph_total"] * cost_slack_s / 3600:
             found.wrong_costs.append(f"{h['name']}: recorded ${h['accrued_usd']:.5f}, charged ${true_cost:.5f}")
     found.processes = host_processes(state_dir)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,22 @@ def test_a_crash_of_destroy_between_the_call_and_the_record_is_settled(config, c
     assert fleet(config, cloud, *UP).returncode == 0
     crashed = fleet(config, cloud, "destroy", "--all", "--yes", crash_at="mid_destroy")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    settle_and_check(config, cloud)
+
+
+def test_a_crash_of_standby_mid_stop_lands_in_the_pool_and_is_settled(config, cloud):
+    # the stop was answered, the record says STOPPING: reconcile sees the instance stopped and puts the host in
+    # the pool (still ours, still billed for its disk), and the costs add up across its running and stopped time
+    crashed = fleet(config, cloud, "standby", "--model", "tiny", "--region", "eu", crash_at="mid_stop")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    for _ in range(50):  # the local cloud stops it a moment after answering
+        if next(iter(cloud.state()["instances"].values()))["status"] == "stopped":
+            break
+        time.sleep(0.2)
+    reconciled = fleet(config, cloud, "reconcile", "--json")
+    assert reconciled.returncode == 0, reconciled.stderr
+    [host] = json.loads(fleet(config, cloud, "status", "--json").stdout)
+    assert host["state"] == "standby"
     settle_and_check(config, cloud)
 
 
