@@ -111,3 +111,50 @@ async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
     assert code == 0, text
     assert "health: 1 READY, 1 failing" in text and "replaced by" in text and "daemon stopped" in text
     assert fleet(env, "destroy", "--all", "--yes").returncode == 0
+
+
+def states(db_path) -> list[str]:
+    try:
+        with sqlite3.connect(db_path) as db:
+            return sorted(s for (s,) in db.execute("SELECT state FROM hosts WHERE destroyed_at IS NULL"))
+    except sqlite3.OperationalError:  # the daemon has not made its database yet
+        return []
+
+
+def test_daemon_keeps_a_serve_target_and_its_standby_pool(cloud, tmp_path):
+    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
+    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
+    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
+    text += '\n[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 1\nheadroom = 0.0\nstandby = 1\n'
+    (tmp_path / "fleet.toml").write_text(text)
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = (tmp_path / "daemon.log").open("w")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "daemon", "--metrics-port", "0"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while states(tmp_path / "fleet.db") != ["ready", "standby"]:
+            assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.5)
+        status = fleet(env, "status")
+        assert "tiny in eu: target 1 callers (1 calls + headroom), READY capacity 1, in flight 0, standby pool 1/1" in (
+            status.stdout
+        ), status.stdout
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(120)
+        log.close()
+        destroyed = fleet(env, "destroy", "--all", "--yes", timeout=300)
+    text = (tmp_path / "daemon.log").read_text()
+    assert code == 0, text
+    assert "serve: tiny in eu" in text and destroyed.returncode == 0
