@@ -31,7 +31,7 @@ from fleet.lifecycle import UpRequest
 from fleet.localcloud import bigmodels, control
 from tests.fleetkit import fleet_for, settings_for, with_variant
 
-# ~1.1 GB: 12 layers of a 2048-wide decoder, Q8_0
+# 1.45 GB: 12 layers of a 2048-wide decoder (FFN 16384), Q8_0
 SHAPE = bigmodels.DenseShape("standby-bench", 12, 2048, 16, 8, 128, 16384, 4096, 10000.0)
 CAP = 4 * 1024 * 1024  # bytes/s per connection: 8 connections give 32 MiB/s, ~270 Mbit/s
 REPO, FILE = "fleet-local/bench-models", "standby-bench-Q8_0.gguf"
