@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import httpx
 import typer
@@ -66,7 +66,7 @@ def one_line(error: FleetError) -> str:
     return str(error) if isinstance(error, BadInput) else f"{type(error).__name__}: {error}"
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     err.print(f"[red]error:[/red] {message}", highlight=False)
     raise typer.Exit(code)
 
@@ -298,6 +298,22 @@ def plan_cmd(
     )
 
 
+def checked_bring_up(
+    settings: config.Settings, model: str, region: str, count: int, max_price: float | None
+) -> config.Profile:
+    """The profile of an `up` or `standby`, after its arguments: one line and exit 2 for bad input."""
+    if count < 1:
+        fail("--count must be at least 1", 2)
+    if max_price is not None and max_price <= 0:
+        fail("--max-price must be positive", 2)
+    try:
+        profile = settings.profile(model)
+        settings.region(region)
+    except config.ConfigError as e:
+        fail(str(e), 2)
+    return profile
+
+
 @app.command("up")
 def up_cmd(
     model: Model,
@@ -314,15 +330,7 @@ def up_cmd(
     """Rent the best passing offers (by expected $/voice-minute, or $/h with --by-price) and leave
     llama-server serving on them, verified."""
     settings = load_settings(config_path)
-    if count < 1:
-        fail("--count must be at least 1", 2)
-    if max_price is not None and max_price <= 0:
-        fail("--max-price must be positive", 2)
-    try:
-        profile = settings.profile(model)
-        settings.region(region)
-    except config.ConfigError as e:
-        fail(str(e), 2)
+    profile = checked_bring_up(settings, model, region, count, max_price)
 
     async def go() -> Any:
         async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:
@@ -386,15 +394,7 @@ def standby_cmd(
     """Fill the standby pool: bring hosts up exactly as `fleet up` does (weights pulled and verified, probes
     passed), then stop them. A stopped host keeps its disk and bills only for it; it is never published."""
     settings = load_settings(config_path)
-    if count < 1:
-        fail("--count must be at least 1", 2)
-    if max_price is not None and max_price <= 0:
-        fail("--max-price must be positive", 2)
-    try:
-        settings.profile(model)
-        settings.region(region)
-    except config.ConfigError as e:
-        fail(str(e), 2)
+    checked_bring_up(settings, model, region, count, max_price)
 
     async def go() -> Any:
         async with open_fleet(settings, None if json_output else ConsoleReporter()) as fleet:

@@ -100,6 +100,13 @@ class AttemptReport:
     seconds: float = 0.0
     resumed: bool = False  # a host of the standby pool started again, not a new rent
 
+    @classmethod
+    def of(cls, host: Host, resumed: bool = False) -> AttemptReport:
+        """A report of a bring-up of `host` (its offer's fields are on it), ready until it fails."""
+        inet = max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb)
+        return cls(host.name, host.offer_id, host.machine_id, host.gpu_name, host.geolocation, host.dph_total, inet,
+                   outcome="ready", resumed=resumed)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class BenchReport:
@@ -377,16 +384,7 @@ class Fleet:
             except CapReached as e:
                 picker.release(offer)
                 return str(e)
-            report = AttemptReport(
-                host.name,
-                offer.id,
-                offer.machine_id,
-                offer.gpu_name,
-                offer.geolocation,
-                offer.dph_total,
-                max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
-                outcome="ready",
-            )
+            report = AttemptReport.of(host)
             result.attempts.append(report)
             try:
                 await BringUp(self, host, profile, offer, standby=request.standby).run()
@@ -445,28 +443,8 @@ class Fleet:
                 self.record.release(host)
                 continue
             assert host.instance_id is not None
-            self.record.add(
-                Attempt(
-                    run_id=run_id,
-                    host_id=host.id,
-                    model=profile.name,
-                    offer_id=host.offer_id,
-                    machine_id=host.machine_id,
-                    dph_total=host.dph_total,
-                    inet_usd_per_gb=max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb),
-                )
-            )
-            report = AttemptReport(
-                host.name,
-                host.offer_id,
-                host.machine_id,
-                host.gpu_name,
-                host.geolocation,
-                host.dph_total,
-                max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb),
-                outcome="ready",
-                resumed=True,
-            )
+            self.record.add(_attempt(run_id, host))
+            report = AttemptReport.of(host, resumed=True)
             result.attempts.append(report)
             started = time.monotonic()
             self.reporter.info(host.name, "taken from the standby pool: starting its instance")
@@ -538,15 +516,7 @@ class Fleet:
             owner=process_owner(),
             lease_until=utcnow() + timedelta(seconds=self.settings.up.lease_s),
         )
-        attempt = Attempt(
-            run_id=run_id,
-            model=profile.name,
-            offer_id=offer.id,
-            machine_id=offer.machine_id,
-            dph_total=offer.dph_total,
-            inet_usd_per_gb=max(offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb),
-        )
-        self.record.reserve(host, attempt, check)
+        self.record.reserve(host, _attempt(run_id, host), check)
         self.claim(host)  # starts the lease renewal
         failpoints.reach("after_intent")
         return host
@@ -868,3 +838,17 @@ def host_summary(h: Host) -> dict[str, Any]:
         "failed_phase": h.failed_phase,
         "failure_reason": h.failure_reason,
     }
+
+
+def _attempt(run_id: str, host: Host) -> Attempt:
+    """The attempts row of one bring-up of `host` (a new rent, or a start from the standby pool); its host_id
+    is set by Record.reserve for a host not yet written."""
+    return Attempt(
+        run_id=run_id,
+        host_id=host.id,
+        model=host.model,
+        offer_id=host.offer_id,
+        machine_id=host.machine_id,
+        dph_total=host.dph_total,
+        inet_usd_per_gb=max(host.inet_up_usd_per_gb, host.inet_down_usd_per_gb),
+    )

@@ -68,19 +68,17 @@ def sources_of(target: HostState) -> tuple[HostState, ...]:
     return tuple(state for state, targets in TRANSITIONS.items() if target in targets)
 
 
-LIVE_STATES = (
+# A host on its way to READY, and one in the standby pool (stopped on purpose, still ours and billed).
+COMING_UP = (
     HostState.CREATING,
     HostState.BOOTING,
     HostState.CONNECTING,
     HostState.PULLING,
     HostState.STARTING,
     HostState.PROBING,
-    HostState.READY,
-    HostState.STOPPING,
-    HostState.STANDBY,
-    HostState.DRAINING,
-    HostState.DESTROYING,
 )
+POOL = (HostState.STOPPING, HostState.STANDBY)
+LIVE_STATES = (*COMING_UP, HostState.READY, *POOL, HostState.DRAINING, HostState.DESTROYING)
 
 
 class Host(SQLModel, table=True):

@@ -15,20 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleet.config import Serve
-from fleet.models import Host, HostState
+from fleet.models import COMING_UP, POOL, Host, HostState
 
 if TYPE_CHECKING:
     from fleet.lifecycle import Fleet
-
-COMING_UP = (
-    HostState.CREATING,
-    HostState.BOOTING,
-    HostState.CONNECTING,
-    HostState.PULLING,
-    HostState.STARTING,
-    HostState.PROBING,
-)
-POOL = (HostState.STOPPING, HostState.STANDBY)
 
 
 @dataclass(frozen=True)
@@ -123,8 +113,7 @@ async def keep(fleet: Fleet, target: Serve) -> Sizing:
         [host] = fleet.record.hosts(names=[name])
         await rotation.retire(fleet, host, "sized to calls: surplus capacity", blacklist=False)
         done.setdefault("drained", []).append(name)
-    refill = max(target.standby - sum(1 for h in fleet.record.hosts(model=target.model, region=target.region)
-                                      if h.state in POOL), 0)  # fmt: skip
+    refill = max(target.standby - observe(fleet, target).pool, 0)  # what up took from the pool counts
     if refill:
         result = await fleet.up(UpRequest(target.model, target.region, count=refill, standby=True))
         done["pooled"] = [h.name for h in result.ready]
