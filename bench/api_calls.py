@@ -22,7 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.lifecycle import UpRequest
+from fleet.control.up import UpRequest
 from fleet.localcloud import control
 from fleet.market.pacing import Counters
 from tests.fleetkit import fleet_for, settings_for

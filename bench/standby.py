@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet import config
-from fleet import offers as offer_rules
-from fleet.lifecycle import UpRequest
+from fleet.control.up import UpRequest
+from fleet.core import config
+from fleet.economics import offers as offer_rules
 from fleet.localcloud import bigmodels, control
 from tests.fleetkit import fleet_for, settings_for, with_variant
 

@@ -29,9 +29,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet import chat_template
 from fleet.localcloud import tinymodels, toolchain
 from fleet.localcloud.llamaproc import llama_server
+from fleet.probes import template as chat_template
 from fleet.probes.call import load_call
 from fleet.probes.renderings import TURN_SHAPES
 

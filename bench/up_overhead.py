@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.lifecycle import UpRequest, Waits
+from fleet.context import Waits
+from fleet.control.up import UpRequest
 from fleet.localcloud import control
 from tests.fleetkit import fleet_for, settings_for
 

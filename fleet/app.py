@@ -1,37 +1,95 @@
-"""Assembling a Fleet from fleet.toml: the marketplace endpoint, the record, our SSH key."""
+"""The library's one object: a Fleet is a Context (fleet/context.py) with the verbs of the commands as
+methods, each one call into the controller or host step that does it. The CLI, the tests and scripts use
+it; the controllers themselves only ever take a Context."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from fleet import config, db
-from fleet.lifecycle import Fleet, Reporter
-from fleet.market.connect import open_market, resolve
-from fleet.remote import ensure_key
+import fleet.control.destroy
+import fleet.control.offers
+import fleet.control.reconcile
+import fleet.control.status
+import fleet.control.up
+import fleet.host.endpoints
+import fleet.host.measure
+import fleet.host.profile
+import fleet.host.teardown
+from fleet.context import Context, Reporter, open_context
+from fleet.control.destroy import DestroyReport
+from fleet.control.up import UpRequest, UpResult
+from fleet.core.config import Profile
+from fleet.core.models import Host
+from fleet.economics import offers as offer_rules
+from fleet.economics.machines import MachineRecord
+from fleet.economics.report import Session
+from fleet.economics.selection import Expectation
+from fleet.host.measure import BenchReport
+from fleet.market import Offer
+from fleet.plan.memory import Plan
+from fleet.probes import ProbeResult
+from fleet.probes.renderings import Renderings
 
 
-def ssh_key_path(settings: config.Settings) -> Path:
-    return settings.database.file.parent / "ssh" / "id_ed25519"
+class Fleet(Context):
+    async def plan(
+        self, model: str, ctx_per_slot: int | None = None, slots: int | None = None, swa_full: bool | None = None
+    ) -> Plan:
+        return await fleet.host.profile.plan(self, model, ctx_per_slot, slots, swa_full)
+
+    async def check_template(self, model: Profile) -> Renderings | None:
+        return await fleet.host.profile.check_template(self, model)
+
+    async def offers(
+        self,
+        model: str,
+        region: str,
+        max_price: float | None = None,
+        exclude_unusable: bool = False,
+        record_seen: bool = True,
+    ) -> offer_rules.Funnel:
+        return await fleet.control.offers.search(self, model, region, max_price, exclude_unusable, record_seen)
+
+    def rank(self, model: Profile, found: list[Offer], by_price: bool = False) -> list[tuple[Offer, Expectation]]:
+        return fleet.control.offers.rank(self, model, found, by_price)
+
+    async def up(self, request: UpRequest) -> UpResult:
+        return await fleet.control.up.up(self, request)
+
+    async def probe(self, name: str, only: list[str] | None = None, plot_path: Path | None = None) -> list[ProbeResult]:
+        return await fleet.host.measure.probe(self, name, only, plot_path)
+
+    async def bench(self, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int) -> BenchReport:
+        return await fleet.host.measure.bench(self, name, max_callers, waves, warmup, max_tokens)
+
+    def blacklist_machine(self, host: Host, phase: str, reason: str) -> None:
+        fleet.host.teardown.blacklist_machine(self, host, phase, reason)
+
+    def endpoints(self) -> list[dict[str, Any]]:
+        return fleet.host.endpoints.endpoints(self)
+
+    async def destroy(self, names: list[str] | None) -> DestroyReport:
+        return await fleet.control.destroy.destroy(self, names)
+
+    def status(self, include_ended: bool = False) -> list[dict[str, Any]]:
+        return fleet.control.status.status(self, include_ended)
+
+    def machines(self) -> list[MachineRecord]:
+        return fleet.control.status.machines(self)
+
+    def session(self, since: datetime) -> Session:
+        return fleet.control.status.session(self, since)
+
+    async def reconcile(self) -> dict[str, Any]:
+        return await fleet.control.reconcile.reconcile(self)
 
 
 @asynccontextmanager
-async def open_fleet(settings: config.Settings, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
-    endpoint = resolve(settings)
-    engine = db.open_database(settings.database.target)
-    market = open_market(endpoint, settings)
-    fleet = Fleet(
-        settings,
-        db.Record(engine),
-        market,
-        ensure_key(ssh_key_path(settings)),
-        settings.hub_url(endpoint.local_cloud_url),
-        reporter,
-    )
-    try:
+async def open_fleet(settings: Any, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
+    """A Fleet for these settings (fleet.toml's), closed with everything it opened."""
+    async with open_context(settings, reporter, Fleet) as fleet:
         yield fleet
-    finally:
-        await fleet.close()
-        await market.close()
-        engine.dispose()

@@ -1,10 +1,10 @@
-"""Alembic environment: runs on the connection fleet.db hands over, or on sqlalchemy.url."""
+"""Alembic environment: runs on the connection fleet.core.record hands over, or on sqlalchemy.url."""
 
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlmodel import SQLModel
 
-import fleet.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+import fleet.core.models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
 config = context.config
 target_metadata = SQLModel.metadata

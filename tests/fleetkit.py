@@ -8,9 +8,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fleet import config
-from fleet.app import open_fleet
-from fleet.lifecycle import Fleet
+from fleet.app import Fleet, open_fleet
+from fleet.core import config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,8 +5,8 @@ from datetime import timedelta
 
 import pytest
 
-from fleet.bill import bill
-from fleet.models import utcnow
+from fleet.core.models import utcnow
+from fleet.economics.bill import bill
 from tests.test_machines import host
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet import config
-from fleet.capacity import capacity, judge_level, next_level, usd_per_voice_minute
+from fleet.core import config
+from fleet.economics.capacity import capacity, judge_level, next_level, usd_per_voice_minute
 from fleet.probes.bench import LevelResult
 
 TARGET = config.VoiceTarget(first_content_p95_ms=500, decode_tok_s=15)

@@ -10,9 +10,9 @@ import secrets
 import httpx
 import pytest
 
-from fleet import chat_template
 from fleet.localcloud import tinymodels
 from fleet.localcloud.llamaproc import llama_server as run_llama_server
+from fleet.probes import template as chat_template
 from fleet.probes.cache import run_cache, server_renderer, server_token_count
 from fleet.probes.call import load_call
 from fleet.probes.renderings import TURN_SHAPES, check_renderings

@@ -8,8 +8,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlmodel import SQLModel
 
-from fleet import chat_template, config, db
-from fleet.hostops import server_argv
+from fleet.core import config
+from fleet.core import record as db
+from fleet.engines.llama_server import server_argv
+from fleet.probes import template as chat_template
 
 ROOT = Path(__file__).resolve().parents[1]
 

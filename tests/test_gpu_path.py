@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fleet import plan
-from fleet.allocations import parse_buffer_lines
-from fleet.ggufhead import read_local
-from fleet.lifecycle import UpRequest
+from fleet.control.up import UpRequest
 from fleet.localcloud import bigmodels, control, replicas
+from fleet.plan import memory as plan
+from fleet.plan.allocations import parse_buffer_lines
+from fleet.plan.gguf import read_local
 from fleet.probes.gpu import parse_query_csv
 from tests.conftest import _start, _stop_and_check
 from tests.fleetkit import fleet_for, settings_for, with_variant

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from datetime import timedelta
 
-from fleet.lifecycle import UpRequest
-from fleet.machines import remember
-from fleet.models import BenchRun, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.control.up import UpRequest
+from fleet.core.models import BenchRun, Blacklist, Host, HostState, ProbeRun, utcnow
+from fleet.economics.machines import remember
 from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
 
 T0 = utcnow()

@@ -1,8 +1,8 @@
 """The filter funnel and ranking: pure functions on plain offers."""
 
-from fleet.config import Filters, Profile
+from fleet.core.config import Filters, Profile
+from fleet.economics.offers import Criteria, effective_price_per_hour, funnel
 from fleet.market import Offer
-from fleet.offers import Criteria, effective_price_per_hour, funnel
 
 
 def offer(i: int, **kw) -> Offer:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from fleet import ggufhead, plan
-from fleet.lifecycle import UpRequest
+from fleet.control.up import UpRequest
+from fleet.plan import gguf as ggufhead
+from fleet.plan import memory as plan
 from tests.fleetkit import fleet_for, settings_for, write_config
 
 Q = gguf.GGMLQuantizationType

@@ -14,9 +14,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, text
 from sqlmodel import SQLModel
 
-from fleet import db
-from fleet.lifecycle import UpRequest
-from fleet.models import HostState
+from fleet.control.up import UpRequest
+from fleet.core import record as db
+from fleet.core.models import HostState
 from tests.fleetkit import fleet_for, settings_for, write_config
 from tests.helpers import kill_llama_server
 

@@ -11,10 +11,10 @@ import sys
 import httpx
 import pytest
 
-from fleet.capacity import judge_level
-from fleet.chat_template import TemplateError, bundled
-from fleet.config import VoiceTarget
-from fleet.lifecycle import UpRequest
+from fleet.control.up import UpRequest
+from fleet.core.config import VoiceTarget
+from fleet.economics.capacity import judge_level
+from fleet.probes.template import TemplateError, bundled
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_soon
 

@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import pytest
 
-from fleet import report
-from fleet.lifecycle import UpRequest
-from fleet.models import utcnow
+from fleet.control.up import UpRequest
+from fleet.core.models import utcnow
+from fleet.economics import report
 from tests.fleetkit import fleet_for, settings_for, write_config
 
 CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")

@@ -9,9 +9,9 @@ from datetime import timedelta
 import httpx
 import pytest
 
-from fleet import rotation
-from fleet.lifecycle import UpRequest
-from fleet.models import Host, HostState, utcnow
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.core.models import Host, HostState, utcnow
 from tests.fleetkit import fleet_for, settings_for
 from tests.helpers import kill_llama_server, listed_instances, sag_soon
 

@@ -4,11 +4,11 @@ benches both, the slowed one holds fewer callers, costs more per voice-minute an
 
 import pytest
 
-from fleet.config import VoiceTarget
-from fleet.lifecycle import UpRequest
-from fleet.machines import MachineRecord
-from fleet.offers import effective_price_per_hour
-from fleet.selection import expect, rank
+from fleet.control.up import UpRequest
+from fleet.core.config import VoiceTarget
+from fleet.economics.machines import MachineRecord
+from fleet.economics.offers import effective_price_per_hour
+from fleet.economics.selection import expect, rank
 from tests.fleetkit import fleet_for, ranked_offers, settings_for
 from tests.helpers import sag_soon
 from tests.test_offers import PROFILE, offer

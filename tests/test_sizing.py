@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from fleet.config import Serve
-from fleet.models import Host, HostState
-from fleet.sizing import decide, keep
+from fleet.control.sizing import decide, keep
+from fleet.core.config import Serve
+from fleet.core.models import Host, HostState
 from tests.fleetkit import fleet_for, settings_for, write_config
 
 

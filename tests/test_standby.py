@@ -10,10 +10,10 @@ from datetime import timedelta
 
 import pytest
 
-from fleet import rotation
-from fleet.bill import accrued_usd, bill, hours_billed
-from fleet.lifecycle import UpRequest
-from fleet.models import HostState
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.core.models import HostState
+from fleet.economics.bill import accrued_usd, bill, hours_billed
 from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.lifecycle import UpRequest
-from fleet.models import HostState
+from fleet.control.up import UpRequest
+from fleet.core.models import HostState
 from tests.fleetkit import fleet_for, ranked_offers, settings_for, with_variant
 from tests.helpers import cheapest_offer, destroy, host_processes, listed_instances, rent
 
@@ -88,7 +88,7 @@ async def test_offer_vanishing_at_create_moves_to_the_next_without_a_duplicate(c
 
 
 def fleet_now():
-    from fleet.models import utcnow
+    from fleet.core.models import utcnow
 
     return utcnow()
 

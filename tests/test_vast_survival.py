@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from fleet import rotation
-from fleet.lifecycle import UpRequest
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.core.models import HostState, utcnow
+from fleet.economics.offers import effective_price_per_hour
 from fleet.market import MarketError
-from fleet.models import HostState, utcnow
-from fleet.offers import effective_price_per_hour
 from tests.fleetkit import first_machine, fleet_for, settings_for, write_config
 from tests.helpers import listed_instances, polite
 

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import gguf
 
-from fleet import config
-from fleet.allocations import Allocations, parse_buffer_lines
-from fleet.ggufhead import read_local
+from fleet.core import config
 from fleet.localcloud import control, replicas
 from fleet.localcloud.bigmodels import NEMO_12B
-from fleet.plan import MIB, PlanSettings, cache_settings_from_args, make_plan
+from fleet.plan.allocations import Allocations, parse_buffer_lines
+from fleet.plan.gguf import read_local
+from fleet.plan.memory import MIB, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes.gpu import QUERY
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@ functions as the commands; its job store lives in fleet's database; it serves Pr
 
 On SQLite one daemon per database: a second one finds the lock taken and refuses to start. On
 PostgreSQL several may run for availability: each job's tick is claimed by one of them (job_runs),
-and a host is acted on only by the process holding its lease (fleet/ownership.py), so no two daemons touch
+and a host is acted on only by the process holding its lease (fleet/core/ownership.py), so no two daemons touch
 one host at once. SIGTERM
 (or SIGINT) lets the job in flight finish and exits cleanly. Every action is one log line.
 """
@@ -32,13 +32,15 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy.engine import Engine
 from sqlmodel import select
 
-from fleet import config, db, rotation
-from fleet import sizing as sizing_mod
-from fleet.app import open_fleet
-from fleet.bill import accrued_usd
-from fleet.errors import FleetError
-from fleet.lifecycle import Fleet
-from fleet.models import LIVE_STATES, Event, HostState, ProbeRun
+from fleet.context import Context, open_context
+from fleet.control import rotation
+from fleet.control import sizing as sizing_mod
+from fleet.control.reconcile import reconcile
+from fleet.core import config
+from fleet.core import record as db
+from fleet.core.errors import FleetError
+from fleet.core.models import LIVE_STATES, Event, HostState, ProbeRun
+from fleet.economics.bill import accrued_usd
 
 log = logging.getLogger("fleet.daemon")
 
@@ -96,16 +98,16 @@ def _tick(period_s: float) -> int:
 
 
 async def _run(
-    job: str, config_path: str, period_s: Callable[[config.Rotation], float], work: Callable[[Fleet], Awaitable[None]]
+    job: str, config_path: str, period_s: Callable[[config.Rotation], float], work: Callable[[Context], Awaitable[None]]
 ) -> None:
     """One job's tick. Several daemons may share a PostgreSQL database: the first to claim the tick
     runs it; the others skip it."""
     settings = config.load(config_path)
-    async with open_fleet(settings, LogReporter()) as fleet:
-        if not fleet.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID):
+    async with open_context(settings, LogReporter()) as ctx:
+        if not ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID):
             log.info("%s: this tick already runs on another daemon; skipped", job)
             return
-        await work(fleet)
+        await work(ctx)
 
 
 def _replaced(report: rotation.HealthReport) -> str:
@@ -113,8 +115,8 @@ def _replaced(report: rotation.HealthReport) -> str:
 
 
 async def run_health(config_path: str) -> None:
-    async def work(fleet: Fleet) -> None:
-        reports = await rotation.health_sweep(fleet)
+    async def work(ctx: Context) -> None:
+        reports = await rotation.health_sweep(ctx)
         failing = [r for r in reports if not r.healthy]
         log.info(
             "health: %d READY, %d failing%s",
@@ -127,8 +129,8 @@ async def run_health(config_path: str) -> None:
 
 
 async def run_reconcile(config_path: str) -> None:
-    async def work(fleet: Fleet) -> None:
-        report = await fleet.reconcile()
+    async def work(ctx: Context) -> None:
+        report = await reconcile(ctx)
         log.info(
             "reconcile: checked %d, gone %s, failed %s, strays destroyed %s",
             report["checked"],
@@ -141,25 +143,25 @@ async def run_reconcile(config_path: str) -> None:
 
 
 async def run_thermal(config_path: str) -> None:
-    async def work(fleet: Fleet) -> None:
-        for r in await rotation.thermal_sweep(fleet):
+    async def work(ctx: Context) -> None:
+        for r in await rotation.thermal_sweep(ctx):
             log.info("thermal: %s %s%s", r.name, "ok" if r.healthy else f"FAIL: {r.reason}", _replaced(r))
 
     await _run("thermal", config_path, lambda r: r.thermal_every_s, work)
 
 
 async def run_reprice(config_path: str) -> None:
-    async def work(fleet: Fleet) -> None:
-        for m in await rotation.reprice(fleet, dry_run=False):
+    async def work(ctx: Context) -> None:
+        for m in await rotation.reprice(ctx, dry_run=False):
             log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
 
     await _run("reprice", config_path, lambda r: 3600, work)  # a cron job: one run per hour at most
 
 
 async def run_serve(config_path: str) -> None:
-    async def work(fleet: Fleet) -> None:
-        for target in fleet.settings.serve:
-            sizing = await sizing_mod.keep(fleet, target)
+    async def work(ctx: Context) -> None:
+        for target in ctx.settings.serve:
+            sizing = await sizing_mod.keep(ctx, target)
             log.info("serve: %s; did %s", sizing.line(), json.dumps(sizing.done) if sizing.done else "nothing")
 
     await _run("serve", config_path, lambda r: r.health_every_s, work)
@@ -221,14 +223,14 @@ def build_scheduler(settings: config.Settings, config_path: str, engine: Engine)
         timezone="UTC",
     )
     jobs = [
-        ("health", "fleet.daemon:run_health", IntervalTrigger(seconds=rot.health_every_s)),
-        ("reconcile", "fleet.daemon:run_reconcile", IntervalTrigger(seconds=rot.reconcile_every_s)),
-        ("reprice", "fleet.daemon:run_reprice", CronTrigger.from_crontab(rot.reprice_cron, timezone="UTC")),
+        ("health", "fleet.control.daemon:run_health", IntervalTrigger(seconds=rot.health_every_s)),
+        ("reconcile", "fleet.control.daemon:run_reconcile", IntervalTrigger(seconds=rot.reconcile_every_s)),
+        ("reprice", "fleet.control.daemon:run_reprice", CronTrigger.from_crontab(rot.reprice_cron, timezone="UTC")),
     ]
     if rot.thermal_every_s:
-        jobs.append(("thermal", "fleet.daemon:run_thermal", IntervalTrigger(seconds=rot.thermal_every_s)))
+        jobs.append(("thermal", "fleet.control.daemon:run_thermal", IntervalTrigger(seconds=rot.thermal_every_s)))
     if settings.serve:  # READY capacity sized to calls and the standby pool, on the health sweep's beat
-        jobs.append(("serve", "fleet.daemon:run_serve", IntervalTrigger(seconds=rot.health_every_s)))
+        jobs.append(("serve", "fleet.control.daemon:run_serve", IntervalTrigger(seconds=rot.health_every_s)))
     for job_id, func, trigger in jobs:
         scheduler.add_job(func, trigger, args=[config_path], id=job_id, name=job_id, replace_existing=True)
     return scheduler

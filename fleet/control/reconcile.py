@@ -19,19 +19,17 @@ recorded instances exist is an error, never "no instances".
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fleet.bill import accrued_usd
+from fleet.context import Context
+from fleet.core.models import LABEL_PREFIX, Host, HostState, host_age_s, utcnow
+from fleet.economics.bill import accrued_usd
+from fleet.host.endpoints import publish_endpoints
+from fleet.host.teardown import destroy_instance, fail
 from fleet.market import FAILED, Instance, MarketError
-from fleet.models import Host, HostState, host_age_s, utcnow
-
-if TYPE_CHECKING:
-    from fleet.lifecycle import Fleet
 
 
-async def reconcile(fleet: Fleet) -> dict[str, Any]:
-    from fleet.lifecycle import LABEL_PREFIX
-
+async def reconcile(ctx: Context) -> dict[str, Any]:
     report: dict[str, Any] = {
         "checked": 0,
         "gone": [],
@@ -42,50 +40,50 @@ async def reconcile(fleet: Fleet) -> dict[str, Any]:
         "busy": [],
         "waiting": [],
     }
-    async with fleet.waits.on("market"):
-        listing = await fleet.market.list(LABEL_PREFIX)
+    async with ctx.waits.on("market"):
+        listing = await ctx.market.list(LABEL_PREFIX)
     by_id = {i.id: i for i in listing}
     by_label = {i.label: i for i in listing}
     unlisted_but_there = 0
-    for host in fleet.record.open_hosts():
+    for host in ctx.record.open_hosts():
         report["checked"] += 1
-        if not fleet.claim(host):
+        if not ctx.leases.claim(host):
             report["busy"].append(host.name)
             continue
         try:
-            unlisted_but_there += await _settle(fleet, host, by_id, by_label, report)
+            unlisted_but_there += await _settle(ctx, host, by_id, by_label, report)
         finally:
             if host.destroyed_at is None:
-                fleet.record.release(host)
+                ctx.leases.release(host)
     if unlisted_but_there:
         raise MarketError(
             f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
         )
-    await _sweep_strays(fleet, listing, report)
-    fleet.publish_endpoints()
+    await _sweep_strays(ctx, listing, report)
+    publish_endpoints(ctx)
     return report
 
 
 async def _settle(
-    fleet: Fleet, host: Host, by_id: dict[int, Instance], by_label: dict[str | None, Instance], report: dict[str, Any]
+    ctx: Context, host: Host, by_id: dict[int, Instance], by_label: dict[str | None, Instance], report: dict[str, Any]
 ) -> int:
     """Bring one open host (owned by us now) to where the marketplace says it is. Returns 1 when show found
     an instance the listing lacked."""
     # vast.ai's reads lag create: an instance never yet seen running may simply not be listed yet.
-    young = host.running_at is None and host_age_s(host) < fleet.settings.timeouts.instance_visible
+    young = host.running_at is None and host_age_s(host) < ctx.settings.timeouts.instance_visible
     if host.instance_id is None:
         found = by_label.get(host.label)
         if found is None:
             if young and host.create_sent_at is not None:  # the request left: it may yet be listed
                 report["waiting"].append(host.name)
                 return 0
-            fleet.record.close(
+            ctx.record.close(
                 host, HostState.DESTROYED, 0.0, failure_reason="the create was cut short and bought nothing"
             )
             report["gone"].append(host.name)
             return 0
-        fleet.record.update(host, instance_id=found.id)
-        fleet.record.event("info", "reconcile", json.dumps({"adopted": found.id}), host.id)
+        ctx.record.update(host, instance_id=found.id)
+        ctx.record.event("info", "reconcile", json.dumps({"adopted": found.id}), host.id)
         report["adopted"].append(host.name)
     assert host.instance_id is not None
     instance = by_id.get(host.instance_id)
@@ -94,49 +92,49 @@ async def _settle(
         if young:
             report["waiting"].append(host.name)
             return 0
-        async with fleet.waits.on("market"):
-            instance = await fleet.market.get(host.instance_id)
+        async with ctx.waits.on("market"):
+            instance = await ctx.market.get(host.instance_id)
         shown = int(instance is not None)
     if instance is None:
         final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
-        fleet.record.close(host, final, accrued_usd(host, utcnow()), failure_reason="instance gone at reconcile")
-        fleet.record.event("info", "reconcile", "instance gone", host.id)
+        ctx.record.close(host, final, accrued_usd(host, utcnow()), failure_reason="instance gone at reconcile")
+        ctx.record.event("info", "reconcile", "instance gone", host.id)
         report["gone"].append(host.name)
         return shown
     if host.state in (HostState.FAILED, HostState.DRAINING, HostState.DESTROYING):
         # its destroy never confirmed, or the process draining or destroying it died: finish the job
         final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
-        await fleet._destroy_instance(host, final_state=final)
+        await destroy_instance(ctx, host, final_state=final)
         report["destroyed"].append(host.name)
     elif host.state == HostState.READY:
         if instance.status in FAILED:
-            await fleet._fail(host, "reconcile", f"instance {instance.status}", blacklist=True)
+            await fail(ctx, host, "reconcile", f"instance {instance.status}", blacklist=True)
             report["failed"].append(host.name)
     elif host.state == HostState.STANDBY:
         # stopped on purpose, weights on its disk: ours and billed, never a failure for being stopped
         if instance.status in FAILED - {"stopped"}:
-            await fleet._fail(host, "reconcile", f"standby instance {instance.status}", blacklist=True)
+            await fail(ctx, host, "reconcile", f"standby instance {instance.status}", blacklist=True)
             report["failed"].append(host.name)
     elif host.state == HostState.STOPPING and instance.status == "stopped":
         # the process stopping it died after the marketplace did its part: finish the move to the pool
-        fleet.record.transition(host, HostState.STANDBY, stopped_at=utcnow())
-        fleet.record.event("info", "reconcile", "stop finished: standby", host.id)
+        ctx.record.transition(host, HostState.STANDBY, stopped_at=utcnow())
+        ctx.record.event("info", "reconcile", "stop finished: standby", host.id)
     else:
-        await fleet._fail(host, host.state, f"bring-up interrupted in {host.state}", blacklist=False)
+        await fail(ctx, host, host.state, f"bring-up interrupted in {host.state}", blacklist=False)
         report["failed"].append(host.name)
     return shown
 
 
-async def _sweep_strays(fleet: Fleet, listing: list[Instance], report: dict[str, Any]) -> None:
-    hosts = fleet.record.hosts()
+async def _sweep_strays(ctx: Context, listing: list[Instance], report: dict[str, Any]) -> None:
+    hosts = ctx.record.hosts()
     open_ids = {h.instance_id for h in hosts if h.destroyed_at is None and h.instance_id is not None}
     open_labels = {h.label for h in hosts if h.destroyed_at is None}
     closed_ids = {h.instance_id for h in hosts if h.destroyed_at is not None and h.instance_id is not None}
     for instance in listing:
         if instance.id in open_ids or instance.label in open_labels:
             continue  # an open host's instance (its owner may not have recorded the id yet)
-        async with fleet.waits.on("market"):
-            await fleet.market.destroy(instance.id)
+        async with ctx.waits.on("market"):
+            await ctx.market.destroy(instance.id)
         kind = "error" if instance.id in closed_ids else "info"  # a closed bill with a live instance: a bug
-        fleet.record.event(kind, "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label}))
+        ctx.record.event(kind, "reconcile", json.dumps({"stray_destroyed": instance.id, "label": instance.label}))
         report["strays_destroyed"].append(instance.id)

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import asdict, dataclass
 
 import httpx
 
-from fleet.lifecycle import Fleet, UpRequest
+from fleet.context import Context
+from fleet.control import offers
+from fleet.control.destroy import destroy
+from fleet.control.up import UpRequest, up
+from fleet.core.models import Host, HostState, utcnow
+from fleet.economics.offers import effective_price_per_hour
+from fleet.host import measure
+from fleet.host.endpoints import publish_endpoints
+from fleet.host.remote import HostKeyMismatch
+from fleet.host.teardown import blacklist_machine, drain
 from fleet.market import FAILED, HEARTBEAT_LOST, Instance
-from fleet.models import Host, HostState, utcnow
-from fleet.offers import effective_price_per_hour
-from fleet.remote import HostKeyMismatch
 
 HOURS_PER_MONTH = 730
 
@@ -49,7 +54,7 @@ class Move:
     new_host: str | None = None
 
 
-async def check_host(fleet: Fleet, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
+async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
     """(healthy, gone, reason): the marketplace's view (`instance`, None when it no longer shows it),
     /health, and a short completion. A late heartbeat (`offline`/`unknown`) is vast.ai's view of its own
     agent, not of our server: the server decides."""
@@ -57,7 +62,7 @@ async def check_host(fleet: Fleet, host: Host, instance: Instance | None) -> tup
         return False, True, "the instance is gone"
     if instance.status in FAILED:
         return False, True, f"the instance is {instance.status}"
-    timeout = fleet.settings.rotation.health_timeout_s
+    timeout = ctx.settings.rotation.health_timeout_s
     try:
         async with httpx.AsyncClient(base_url=host.api_url or "", timeout=timeout) as client:
             health = await client.get("/health")
@@ -77,137 +82,108 @@ async def check_host(fleet: Fleet, host: Host, instance: Instance | None) -> tup
     return True, False, "ok"
 
 
-async def marketplace_view(fleet: Fleet, hosts: list[Host]) -> dict[int, Instance | None]:
+async def marketplace_view(ctx: Context, hosts: list[Host]) -> dict[int, Instance | None]:
     """Each host's instance from one listing; those it lacks are asked by id (gone or a listing gap)."""
     ids = [h.instance_id for h in hosts if h.instance_id is not None]
-    listed: dict[int, Instance | None] = dict(await fleet.market.instances(ids)) if ids else {}
+    listed: dict[int, Instance | None] = dict(await ctx.market.instances(ids)) if ids else {}
     for instance_id in ids:
         if instance_id not in listed:
-            listed[instance_id] = await fleet.market.get(instance_id)
+            listed[instance_id] = await ctx.market.get(instance_id)
     return listed
 
 
-async def health_sweep(fleet: Fleet) -> list[HealthReport]:
+async def health_sweep(ctx: Context) -> list[HealthReport]:
     """Check every READY host; replace those that failed K sweeps in a row or whose instance is gone."""
-    hosts = fleet.record.hosts(states=(HostState.READY,))
-    view = await marketplace_view(fleet, hosts)
-    checks = await asyncio.gather(*(check_host(fleet, h, view.get(h.instance_id or -1)) for h in hosts))
+    hosts = ctx.record.hosts(states=(HostState.READY,))
+    view = await marketplace_view(ctx, hosts)
+    checks = await asyncio.gather(*(check_host(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
     for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
         failures = 0 if healthy else host.health_failures + 1
-        fleet.record.update(host, health_failures=failures, last_health_at=utcnow())
+        ctx.record.update(host, health_failures=failures, last_health_at=utcnow())
         if not healthy:
-            fleet.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
+            ctx.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
         report = HealthReport(host.name, healthy, reason, failures)
         reports.append(report)
-        if gone or failures >= fleet.settings.rotation.unhealthy_after_sweeps:
+        if gone or failures >= ctx.settings.rotation.unhealthy_after_sweeps:
             doomed.append((host, report))
-    limit = asyncio.Semaphore(fleet.settings.rotation.max_concurrent_replacements)
+    limit = asyncio.Semaphore(ctx.settings.rotation.max_concurrent_replacements)
 
     async def replace_one(host: Host, report: HealthReport) -> None:
         async with limit:
-            new = await replace(fleet, host, f"unhealthy: {report.reason}", blacklist=True)
+            new = await replace(ctx, host, f"unhealthy: {report.reason}", blacklist=True)
             report.replaced_by = new.name if new else None
 
     await asyncio.gather(*(replace_one(h, r) for h, r in doomed))
     return reports
 
 
-async def thermal_sweep(fleet: Fleet) -> list[HealthReport]:
+async def thermal_sweep(ctx: Context) -> list[HealthReport]:
     """Re-run the thermal probe on every READY host; replace a host that fails it, blacklisting its machine.
     A host whose SSH host key changed since it was pinned is replaced too (the probe refuses to talk to it)."""
     reports = []
-    for host in fleet.record.hosts(states=(HostState.READY,)):
+    for host in ctx.record.hosts(states=(HostState.READY,)):
         try:
-            [result] = await fleet.probe(host.name, only=["thermal"])
+            [result] = await measure.probe(ctx, host.name, only=["thermal"])
             healthy, reason = result.passed, result.diagnosis
         except HostKeyMismatch as e:
             healthy, reason = False, f"host key changed: {e}"
         report = HealthReport(host.name, healthy, reason, 0 if healthy else 1)
         if not healthy:
-            new = await replace(fleet, host, f"thermal: {reason}", blacklist=True)
+            new = await replace(ctx, host, f"thermal: {reason}", blacklist=True)
             report.replaced_by = new.name if new else None
         reports.append(report)
     return reports
 
 
 async def replace(
-    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None = None
+    ctx: Context, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None = None
 ) -> Host | None:
     """Make before break: the new host READY and published first; then the old one drains and goes.
     Returns None, touching nothing, when another process works on the old host or it left READY."""
-    current = fleet.record.host(old.id) if old.id is not None else None
-    if current is None or current.state != HostState.READY or not fleet.claim(current):
-        fleet.reporter.info(old.name, "another process works on this host, or it left READY; skipped")
+    current = ctx.record.host(old.id) if old.id is not None else None
+    if current is None or current.state != HostState.READY or not ctx.leases.claim(current):
+        ctx.reporter.info(old.name, "another process works on this host, or it left READY; skipped")
         return None
     try:
-        return await _replace(fleet, current, reason, blacklist=blacklist, max_effective_price=max_effective_price)
+        return await _replace(ctx, current, reason, blacklist=blacklist, max_effective_price=max_effective_price)
     finally:
         if current.destroyed_at is None:
-            fleet.record.release(current)
+            ctx.leases.release(current)
 
 
 async def _replace(
-    fleet: Fleet, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None
+    ctx: Context, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None
 ) -> Host | None:
-    fleet.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
-    fleet.reporter.info(old.name, f"replacing ({reason})")
-    result = await fleet.up(UpRequest(old.model, old.region, 1, max_effective_price=max_effective_price))
+    ctx.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
+    ctx.reporter.info(old.name, f"replacing ({reason})")
+    result = await up(ctx, UpRequest(old.model, old.region, 1, max_effective_price=max_effective_price))
     if not result.ready:
         why = "; ".join(result.failures) or "no host came up"
-        fleet.record.event("error", "replace", json.dumps({"reason": reason, "failed": why}), old.id)
-        fleet.reporter.info(old.name, f"replacement failed, keeping this host: {why}")
+        ctx.record.event("error", "replace", json.dumps({"reason": reason, "failed": why}), old.id)
+        ctx.reporter.info(old.name, f"replacement failed, keeping this host: {why}")
         return None
     new = result.ready[0]
-    fleet.record.update(new, replaces=old.id)
-    await retire(fleet, old, reason, blacklist=blacklist)
-    fleet.record.event("answer", "replace", json.dumps({"reason": reason, "new_host": new.name}), old.id)
+    ctx.record.update(new, replaces=old.id)
+    await retire(ctx, old, reason, blacklist=blacklist)
+    ctx.record.event("answer", "replace", json.dumps({"reason": reason, "new_host": new.name}), old.id)
     return new
 
 
-async def retire(fleet: Fleet, host: Host, reason: str, *, blacklist: bool) -> None:
+async def retire(ctx: Context, host: Host, reason: str, *, blacklist: bool) -> None:
     """Take the host out of the endpoints, let it finish what it serves, destroy it. The caller owns it (or
     it is taken here); a host another process works on is left alone."""
-    if not fleet.claim(host):
-        fleet.reporter.info(host.name, "another process works on this host; not retired")
+    if not ctx.leases.claim(host):
+        ctx.reporter.info(host.name, "another process works on this host; not retired")
         return
-    if not fleet.record.transition(host, HostState.DRAINING):
-        fleet.reporter.info(host.name, f"it is {host.state} now, not READY; not retired")
+    if not ctx.record.transition(host, HostState.DRAINING):
+        ctx.reporter.info(host.name, f"it is {host.state} now, not READY; not retired")
         return
-    fleet.publish_endpoints()
-    await drain(fleet, host)
+    publish_endpoints(ctx)
+    await drain(ctx, host)
     if blacklist:
-        fleet.blacklist_machine(host, "rotation", reason)
-    await fleet.destroy([host.name])
-
-
-async def drain(fleet: Fleet, host: Host) -> None:
-    """Wait until no slot is processing a request, or the drain timeout. An answer that is not a list of
-    slots (an error status, --no-slots) says nothing about the calls in flight: wait it out. Only a server
-    that no longer accepts connections has nothing left to drain."""
-    deadline = time.monotonic() + fleet.settings.rotation.drain_timeout_s
-    async with httpx.AsyncClient(
-        base_url=host.api_url or "", timeout=5, headers={"Authorization": f"Bearer {host.api_key}"}
-    ) as client:
-        while time.monotonic() < deadline:
-            try:
-                response = await client.get("/slots")
-            except httpx.ConnectError:
-                return  # nothing listens: nothing to drain
-            except httpx.HTTPError:
-                response = None
-            slots = _json_list(response) if response is not None and response.status_code == 200 else None
-            if slots is not None and not any(s.get("is_processing") for s in slots if isinstance(s, dict)):
-                return
-            await asyncio.sleep(0.2)
-
-
-def _json_list(response: httpx.Response) -> list | None:
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, list) else None
+        blacklist_machine(ctx, host, "rotation", reason)
+    await destroy(ctx, [host.name])
 
 
 def judge_move(
@@ -254,13 +230,13 @@ def judge_move(
     )
 
 
-async def reprice(fleet: Fleet, dry_run: bool) -> list[Move]:
+async def reprice(ctx: Context, dry_run: bool) -> list[Move]:
     """Find, for every READY host, the cheapest passing offer; move the host where it is worth it."""
-    rot = fleet.settings.rotation
+    rot = ctx.settings.rotation
     moves = []
-    for host in fleet.record.hosts(states=(HostState.READY,)):
-        profile = fleet.settings.profile(host.model)
-        funnel = await fleet.offers(host.model, host.region, exclude_unusable=True, record_seen=not dry_run)
+    for host in ctx.record.hosts(states=(HostState.READY,)):
+        profile = ctx.settings.profile(host.model)
+        funnel = await offers.search(ctx, host.model, host.region, exclude_unusable=True, record_seen=not dry_run)
         best = funnel.passed[0] if funnel.passed else None
         bring_up_hours = (
             (host.ready_at - host.created_at).total_seconds() / 3600 if host.ready_at and host.created_at else 0.25
@@ -281,11 +257,11 @@ async def reprice(fleet: Fleet, dry_run: bool) -> list[Move]:
 
     async def go(move: Move) -> None:
         async with limit:
-            host = fleet.record.hosts(names=[move.name])[0]
+            host = ctx.record.hosts(names=[move.name])[0]
             # The move was judged on the best offer's effective price: the new host may cost no more than that,
             # whichever offer it lands on (the best one may be gone by now).
             new = await replace(
-                fleet, host, f"reprice: {move.why}", blacklist=False, max_effective_price=move.best_usd_per_hour
+                ctx, host, f"reprice: {move.why}", blacklist=False, max_effective_price=move.best_usd_per_hour
             )
             move.new_host = new.name if new else None
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fleet.config import Serve
-from fleet.models import COMING_UP, POOL, Host, HostState
-
-if TYPE_CHECKING:
-    from fleet.lifecycle import Fleet
+from fleet.context import Context
+from fleet.control import rotation
+from fleet.control.up import UpRequest, up
+from fleet.core.config import Serve
+from fleet.core.models import COMING_UP, POOL, Host, HostState
 
 
 @dataclass(frozen=True)
@@ -86,36 +86,33 @@ def decide(target: Serve, ready: list[tuple[Host, int]], in_flight: int, pool: i
     )
 
 
-def observe(fleet: Fleet, target: Serve) -> Sizing:
+def observe(ctx: Context, target: Serve) -> Sizing:
     """`decide` over the record as it is now (nothing done)."""
-    hosts = fleet.record.hosts(model=target.model, region=target.region)
+    hosts = ctx.record.hosts(model=target.model, region=target.region)
     ready = [h for h in hosts if h.state == HostState.READY]
-    benches = fleet.record.latest_bench([h.id for h in ready if h.id is not None])
+    benches = ctx.record.latest_bench([h.id for h in ready if h.id is not None])
     callers = [(h, benches[h.id].capacity if h.id in benches else h.slots) for h in ready]
     in_flight = sum(1 for h in hosts if h.state in COMING_UP)
     pool = sum(1 for h in hosts if h.state in POOL)
-    return decide(target, callers, in_flight, pool, fleet.settings.profile(target.model).slots)
+    return decide(target, callers, in_flight, pool, ctx.settings.profile(target.model).slots)
 
 
-async def keep(fleet: Fleet, target: Serve) -> Sizing:
+async def keep(ctx: Context, target: Serve) -> Sizing:
     """Act on `observe`: bring up (pool first), retire the surplus, refill the pool."""
-    from fleet import rotation
-    from fleet.lifecycle import UpRequest
-
-    sizing = observe(fleet, target)
+    sizing = observe(ctx, target)
     done: dict[str, Any] = {}
     if sizing.up:
-        result = await fleet.up(UpRequest(target.model, target.region, count=sizing.up))
+        result = await up(ctx, UpRequest(target.model, target.region, count=sizing.up))
         done["up"] = [h.name for h in result.ready]
         done["up_from_pool"] = [a.host for a in result.attempts if a.resumed and a.outcome == "ready"]
         done["up_failures"] = result.failures
     for name in sizing.drain:
-        [host] = fleet.record.hosts(names=[name])
-        await rotation.retire(fleet, host, "sized to calls: surplus capacity", blacklist=False)
+        [host] = ctx.record.hosts(names=[name])
+        await rotation.retire(ctx, host, "sized to calls: surplus capacity", blacklist=False)
         done.setdefault("drained", []).append(name)
-    refill = max(target.standby - observe(fleet, target).pool, 0)  # what up took from the pool counts
+    refill = max(target.standby - observe(ctx, target).pool, 0)  # what up took from the pool counts
     if refill:
-        result = await fleet.up(UpRequest(target.model, target.region, count=refill, standby=True))
+        result = await up(ctx, UpRequest(target.model, target.region, count=refill, standby=True))
         done["pooled"] = [h.name for h in result.ready]
         done["pool_failures"] = result.failures
     return Sizing(**{**asdict(sizing), "drain": sizing.drain, "done": done})

@@ -10,10 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet.errors import BadInput
-from fleet.probes.renderings import TURN_SHAPES
+from fleet.core.errors import BadInput
 
 DEFAULT_CONFIG = "fleet.toml"
+# The turn shapes of a voice call the renderings check renders (fleet/probes/renderings.py builds each).
+TURN_SHAPES = ("plain", "tool call", "tool result", "text before call", "whitespace", "multi-call")
 LOCAL = "local"
 HUGGING_FACE = "https://huggingface.co"
 

@@ -80,6 +80,8 @@ COMING_UP = (
 POOL = (HostState.STOPPING, HostState.STANDBY)
 LIVE_STATES = (*COMING_UP, HostState.READY, *POOL, HostState.DRAINING, HostState.DESTROYING)
 
+LABEL_PREFIX = "fleet:"  # every instance fleet rents carries it at the start of its label
+
 
 class Host(SQLModel, table=True):
     __tablename__ = "hosts"

@@ -17,9 +17,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
 
-from fleet.errors import FleetError
-from fleet.market import Offer
-from fleet.models import (
+from fleet.core.errors import FleetError
+from fleet.core.models import (
     Attempt,
     BenchRun,
     Blacklist,
@@ -27,14 +26,13 @@ from fleet.models import (
     Host,
     HostState,
     JobRun,
-    OfferSeen,
     ProbeRun,
     sources_of,
     utcnow,
 )
-from fleet.ownership import owner_is_dead, process_owner
+from fleet.core.ownership import owner_is_dead, process_owner
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 
 
@@ -152,22 +150,6 @@ class Record:
         for key, value in changes.items():
             setattr(row, key, value)
         return row
-
-    def add_offer_seen(self, provider_url: str, offer: Offer) -> None:
-        self.add(
-            OfferSeen(
-                provider_url=provider_url,
-                offer_id=offer.id,
-                machine_id=offer.machine_id,
-                gpu_name=offer.gpu_name,
-                num_gpus=offer.num_gpus,
-                geolocation=offer.geolocation,
-                dph_total=offer.dph_total,
-                inet_up_usd_per_gb=offer.inet_up_usd_per_gb,
-                inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
-                reliability=offer.reliability,
-            )
-        )
 
     def event(self, kind: str, action: str, detail: str = "", host_id: int | None = None) -> None:
         self.add(Event(kind=kind, action=action, detail=detail, host_id=host_id))
@@ -323,7 +305,7 @@ class Record:
             return list(s.exec(select(ProbeRun).where(ProbeRun.host_id == host_id).order_by(ProbeRun.id)))
 
     def machine_rows(self) -> tuple[list[Host], list[ProbeRun], list[BenchRun], list[Blacklist]]:
-        """Every row a machine's record is made from (fleet/machines.py), in one read transaction."""
+        """Every row a machine's record is made from (fleet/economics/machines.py), in one read transaction."""
         with session(self.engine) as s:
             return (
                 list(s.exec(select(Host))),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from fleet.models import Host, as_utc, utcnow
+from fleet.core.models import Host, as_utc, utcnow
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,26 @@ above it is measured), with about log2(N) levels measured instead of N.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fleet.config import VoiceTarget
-from fleet.probes.bench import LevelResult
+from fleet.core.config import VoiceTarget
 
 
-def judge_level(level: LevelResult, target: VoiceTarget) -> str | None:
+class Level(Protocol):
+    """What the capacity search reads of one measured level of concurrent callers (the bench's LevelResult,
+    fleet/probes/bench.py)."""
+
+    requests: int
+    errors: int
+    first_content_p95_ms: float | None
+    decode_per_caller_tok_s: float | None
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+def judge_level(level: Level, target: VoiceTarget) -> str | None:
     """None when the level meets the target, else why not (one clause)."""
     if level.errors:
         return f"{level.errors} of {level.requests} requests failed"
@@ -31,7 +44,7 @@ def judge_level(level: LevelResult, target: VoiceTarget) -> str | None:
     return None
 
 
-def next_level(measured: dict[int, LevelResult], target: VoiceTarget, most: int) -> int | None:
+def next_level(measured: Mapping[int, Level], target: VoiceTarget, most: int) -> int | None:
     """The next number of callers to measure, or None when the capacity is known."""
     if 1 not in measured:
         return 1
@@ -49,8 +62,8 @@ class Capacity:
     callers: int  # the most concurrent callers that met the target (0: not even one)
     target: VoiceTarget
     exhausted: bool  # every level up to the most asked for held: the host may hold more
-    held: LevelResult | None  # the evidence: the level at the capacity ...
-    missed: LevelResult | None  # ... and the one above it, with why it missed
+    held: Level | None  # the evidence: the level at the capacity ...
+    missed: Level | None  # ... and the one above it, with why it missed
     why_missed: str | None
 
     def as_dict(self) -> dict[str, object]:
@@ -64,7 +77,7 @@ class Capacity:
         }
 
 
-def capacity(measured: dict[int, LevelResult], target: VoiceTarget, most: int) -> Capacity:
+def capacity(measured: Mapping[int, Level], target: VoiceTarget, most: int) -> Capacity:
     """The answer once `next_level` says None (or the best known so far)."""
     missed = sorted(n for n, lv in measured.items() if judge_level(lv, target) is not None)
     below = [n for n, lv in measured.items() if judge_level(lv, target) is None and (not missed or n < missed[0])]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from fleet.models import BenchRun, Blacklist, Host, HostState, ProbeRun
+from fleet.core.models import BenchRun, Blacklist, Host, HostState, ProbeRun
 
 
 @dataclass

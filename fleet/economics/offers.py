@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from fleet.config import Filters, Profile
+from fleet.core.config import Filters, Profile
 from fleet.market import Offer, OfferQuery
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from fleet.bill import Bill, bill
-from fleet.errors import BadInput
-from fleet.models import BenchRun, Host, ProbeRun, as_utc
+from fleet.core.errors import BadInput
+from fleet.core.models import BenchRun, Host, ProbeRun, as_utc
+from fleet.economics.bill import Bill, bill
 
 
 @dataclass

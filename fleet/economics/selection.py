@@ -3,7 +3,7 @@
 A voice deployment buys concurrent calls that answer in time, so an offer is worth its effective $/h
 (traffic included) over the callers a host there is expected to hold, discounted by how often a
 bring-up there reaches READY and by the hours it bills before it serves. What fleet remembers of the
-machine (fleet/machines.py) gives those numbers where it has seen the machine; otherwise the median of
+machine (fleet/economics/machines.py) gives those numbers where it has seen the machine; otherwise the median of
 the machines with that GPU model it has measured; otherwise a stated prior, the profile's slots (what
 the profile was sized for). Pure: `expect` and `rank` take the offers, the profile and the records.
 """
@@ -14,10 +14,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fleet.config import Profile
-from fleet.machines import MachineRecord
+from fleet.core.config import Profile
+from fleet.economics.machines import MachineRecord
+from fleet.economics.offers import effective_price_per_hour
 from fleet.market import Offer
-from fleet.offers import effective_price_per_hour
 
 # The hours a host is expected to serve before it is replaced (the nightly reprice): the time a
 # bring-up bills before READY is spread over them.

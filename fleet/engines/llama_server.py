@@ -1,43 +1,19 @@
-"""What fleet does on a host over SSH: pull the model files, start llama-server, watch it come up.
+"""llama.cpp's llama-server: its argv from a profile, and what a reply's `timings` object says.
 
-Each step runs one of the image's host scripts (images/llama-server/host/) with an argv, never a
-shell string built by hand; secrets (the Hugging Face token, the API key) travel on stdin. A step that
-fails raises PhaseFailed with the phase and why.
+Every completion llama-server answers carries `timings` (`prompt_n`, `prompt_ms`, `cache_n`,
+`predicted_n`, `predicted_per_second`): how many prompt tokens it processed, how many it took from its
+cache, how many it generated and how fast. A field the reply lacks or gives in another type reads as
+absent, never as a crash.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import asyncssh
-import httpx
-
-from fleet.config import Profile
-from fleet.errors import FleetError
-from fleet.remote import RemoteError, run, run_streaming
-
-RUN_DIR = "fleet-run"  # on the host, beside the models: the API key file, the server's PID and log
-MODELS_DIR = "models"
-
-
-class PhaseFailed(FleetError):
-    """A phase of a bring-up failed: destroy the instance and try the next offer. `blacklist`: the machine
-    is to blame (not the marketplace's answer), so it is not tried again for a while. `retry` false: the
-    software or the profile is to blame (the server build, the template, the flags), so every other
-    machine would fail the same: the bring-up stops instead of renting the next offer."""
-
-    def __init__(self, phase: str, reason: str, *, blacklist: bool = True, retry: bool = True) -> None:
-        super().__init__(f"{phase}: {reason}")
-        self.phase = phase
-        self.reason = reason
-        self.blacklist = blacklist
-        self.retry = retry
-
-
-TEMPLATE_FILE = f"{RUN_DIR}/chat-template.jinja"
+from fleet.core.config import Profile
+from fleet.engines import TEMPLATE_FILE
 
 
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
@@ -48,150 +24,26 @@ def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]
     return ["-m", files["main"], *args, *template, "--port", str(port), "-a", profile.name]
 
 
-async def linked_etag(url: str, hf_token: str) -> tuple[str, int]:
-    """The sha256 and size the hub states for a file, from its first (redirect) answer."""
-    headers = {"Authorization": f"Bearer {hf_token}"} if hf_token else {}
-    async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.head(url, headers=headers, follow_redirects=False)
-    etag = (r.headers.get("X-Linked-Etag") or "").strip('"')
-    size = r.headers.get("X-Linked-Size")
-    if r.status_code >= 400 or not re.fullmatch(r"[0-9a-f]{64}", etag) or not size:
-        raise PhaseFailed("pull", f"the hub gave no sha256 for {url} (HTTP {r.status_code})")
-    return etag, int(size)
+@dataclass(frozen=True)
+class Timings:
+    """What one reply's `timings` says; 0 for a count it lacks, None for a rate it lacks."""
 
+    prompt_n: int = 0  # prompt tokens processed for this request
+    cache_n: int = 0  # prompt tokens taken from the slot's cache
+    predicted_n: int = 0  # tokens generated
+    predicted_per_second: float | None = None  # the server's own decode rate for this reply
 
-async def pull_files(
-    conn: asyncssh.SSHClientConnection,
-    profile: Profile,
-    hub_url: str,
-    hf_token: str,
-    connections: int,
-    timeout_s: float,
-    progress: Callable[[str, int, int], None],
-    stall_s: float = 120.0,
-) -> dict[str, str]:
-    """Every file of the profile, with aria2c and its sha256 checked; file key -> path on the host. A file
-    whose bytes stop growing for `stall_s` fails the pull then, not at the end of `timeout_s`."""
-    paths: dict[str, str] = {}
-    try:
-        async with asyncio.timeout(timeout_s):
-            for f in profile.files:
-                url = f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
-                sha256, size = await linked_etag(url, hf_token)
-                dest = f"{MODELS_DIR}/{f.file}"
-                shown = [0.0]
-                moved = [time.monotonic(), -1.0]  # when the file last grew, and to what size
-
-                def on_line(
-                    line: str, name: str = f.file, total: int = size, shown: list[float] = shown, moved: list = moved
-                ) -> None:
-                    if not line.startswith("progress "):
-                        return
-                    done = int(line.split()[1])
-                    if done > moved[1]:
-                        moved[:] = [time.monotonic(), done]
-                    if time.monotonic() - shown[0] > 1.0:
-                        shown[0] = time.monotonic()
-                        progress(name, done, total)
-
-                # The token travels on stdin into the script's environment, never on a command line.
-                argv = [
-                    "sh",
-                    "-c",
-                    'IFS= read -r HF_TOKEN; export HF_TOKEN; exec fleet-pull "$@"',
-                    "fleet-pull",
-                    url,
-                    sha256,
-                    dest,
-                    str(connections),
-                ]
-                stream = asyncio.ensure_future(run_streaming(conn, argv, on_line, stdin=hf_token + "\n"))
-                while not stream.done():
-                    await asyncio.wait({stream}, timeout=1.0)
-                    if not stream.done() and time.monotonic() - moved[0] > stall_s:
-                        stream.cancel()
-                        await asyncio.gather(stream, return_exceptions=True)
-                        raise PhaseFailed("pull", f"{f.file}: no progress for {stall_s:g}s (timeouts.pull_stall)")
-                last = stream.result()
-                if last != f"ok {sha256} {size}":
-                    raise PhaseFailed("pull", f"{f.file}: unexpected result {last!r}")
-                progress(f.file, size, size)
-                paths[f.key] = dest
-    except TimeoutError:
-        raise PhaseFailed("pull", f"not done after {timeout_s:g}s (timeouts.pull)") from None
-    except RemoteError as e:
-        raise PhaseFailed("pull", str(e)) from None
-    return paths
-
-
-async def kept_files(
-    conn: asyncssh.SSHClientConnection, profile: Profile, hub_url: str, hf_token: str
-) -> dict[str, str]:
-    """A standby host's files, on the disk it kept while stopped: each verified by sha256 before the stop,
-    now checked for its size against the hub's (a hash of 15-20 GB would cost a resume most of its gain)."""
-    paths: dict[str, str] = {}
-    for f in profile.files:
-        _, size = await linked_etag(f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}", hf_token)
-        dest = f"{MODELS_DIR}/{f.file}"
-        try:
-            result = await run(conn, ["stat", "-c", "%s", dest], timeout_s=30)
-        except RemoteError as e:
-            raise PhaseFailed("pull", f"{f.file}: not on the kept disk ({e})") from None
-        have = str(result.stdout or "").strip()
-        if have != str(size):
-            raise PhaseFailed("pull", f"{f.file}: {have} bytes on the kept disk, the hub says {size}")
-        paths[f.key] = dest
-    return paths
-
-
-async def start_server(
-    conn: asyncssh.SSHClientConnection,
-    profile: Profile,
-    port: int,
-    files: dict[str, str],
-    api_key: str,
-    api_url: str,
-    timeout_s: float,
-    chat_template: str | None = None,
-) -> None:
-    """Put the profile's chat template on the host (its text on stdin), start llama-server (the key on
-    stdin) and wait for /health; fail fast when it dies."""
-    try:
-        if chat_template is not None:
-            put = 'mkdir -p "$1" && chmod 700 "$1" && cat > "$2"'
-            await run(conn, ["sh", "-c", put, "sh", RUN_DIR, TEMPLATE_FILE], stdin=chat_template, timeout_s=60)
-        await run(
-            conn, ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)], stdin=api_key + "\n", timeout_s=60
+    @classmethod
+    def of(cls, timings: dict[str, Any] | None) -> Timings:
+        t = timings if isinstance(timings, dict) else {}
+        rate = t.get("predicted_per_second")
+        return cls(
+            prompt_n=_count(t.get("prompt_n")),
+            cache_n=_count(t.get("cache_n")),
+            predicted_n=_count(t.get("predicted_n")),
+            predicted_per_second=float(rate) if isinstance(rate, int | float) and rate > 0 else None,
         )
-    except RemoteError as e:
-        raise PhaseFailed("start", str(e)) from None
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
-        polls = 0
-        while time.monotonic() < deadline:
-            try:
-                if (await client.get(f"{api_url}/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            polls += 1
-            if polls % 20 == 0 and not await server_alive(conn):
-                raise PhaseFailed("start", f"llama-server exited: {await server_log_tail(conn)}")
-            await asyncio.sleep(0.1)
-    raise PhaseFailed("start", f"no /health 200 after {timeout_s:g}s (timeouts.load): {await server_log_tail(conn)}")
 
 
-async def server_alive(conn: asyncssh.SSHClientConnection) -> bool:
-    try:
-        await run(conn, ["sh", "-c", 'kill -0 "$(cat "$1/llama-server.pid")"', "sh", RUN_DIR], timeout_s=30)
-    except RemoteError:
-        return False
-    return True
-
-
-async def server_log_tail(conn: asyncssh.SSHClientConnection) -> str:
-    try:
-        result = await run(conn, ["tail", "-n", "3", f"{RUN_DIR}/llama-server.log"], timeout_s=30)
-    except RemoteError:
-        return "no log"
-    return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
+def _count(value: object) -> int:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0

@@ -1,4 +1,4 @@
-"""What fleet does on a host over SSH: pull the model files, start llama-server, watch it come up.
+"""What fleet does on a host over SSH: pull the model files, start the server, watch it come up.
 
 Each step runs one of the image's host scripts (images/llama-server/host/) with an argv, never a
 shell string built by hand; secrets (the Hugging Face token, the API key) travel on stdin. A step that
@@ -15,12 +15,11 @@ from collections.abc import Callable
 import asyncssh
 import httpx
 
-from fleet.config import Profile
-from fleet.errors import FleetError
-from fleet.remote import RemoteError, run, run_streaming
-
-RUN_DIR = "fleet-run"  # on the host, beside the models: the API key file, the server's PID and log
-MODELS_DIR = "models"
+from fleet.core.config import Profile
+from fleet.core.errors import FleetError
+from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE
+from fleet.engines.llama_server import server_argv
+from fleet.host.remote import RemoteError, run, run_streaming
 
 
 class PhaseFailed(FleetError):
@@ -35,17 +34,6 @@ class PhaseFailed(FleetError):
         self.reason = reason
         self.blacklist = blacklist
         self.retry = retry
-
-
-TEMPLATE_FILE = f"{RUN_DIR}/chat-template.jinja"
-
-
-def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
-    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template
-    fleet put on the host when the profile names one, port, alias."""
-    args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
-    template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
-    return ["-m", files["main"], *args, *template, "--port", str(port), "-a", profile.name]
 
 
 async def linked_etag(url: str, hf_token: str) -> tuple[str, int]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import shlex
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import asyncssh
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
+from fleet.core.keys import SshKey
 
 
 class RemoteError(FleetError, RuntimeError):
@@ -20,25 +19,6 @@ class RemoteError(FleetError, RuntimeError):
 
 class HostKeyMismatch(RemoteError):
     """The host presented a key other than the one pinned at first contact."""
-
-
-@dataclass(frozen=True)
-class SshKey:
-    private: Path
-    public: str
-
-
-def ensure_key(path: Path) -> SshKey:
-    """fleet's own SSH key (ed25519, private file 0600), made on first use."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.parent.chmod(0o700)
-    if not path.exists():
-        key = asyncssh.generate_private_key("ssh-ed25519", comment="fleet")
-        key.write_private_key(str(path))
-        path.chmod(0o600)
-        key.write_public_key(str(path) + ".pub")
-    public = Path(str(path) + ".pub").read_text().strip()
-    return SshKey(path, public)
 
 
 async def connect(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
 
 
 class CloudControlError(FleetError, RuntimeError):

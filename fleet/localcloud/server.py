@@ -17,8 +17,9 @@ from aiohttp import web
 
 from fleet.localcloud import replicas, toolchain
 from fleet.localcloud.api import build_app
-from fleet.localcloud.cloud import Cloud, CloudSettings, _write_json_atomic
+from fleet.localcloud.cloud import Cloud, CloudSettings
 from fleet.localcloud.hub import Hub
+from fleet.localcloud.state import write_json_atomic
 
 DEFAULT_OFFERS_DIR = toolchain.REPO_ROOT / "offers"
 
@@ -36,7 +37,7 @@ async def serve(settings: CloudSettings, host: str, port: int, publish: list[tup
     await site.start()
     bound = runner.addresses[0][1]
     await cloud.resume_hosts()
-    _write_json_atomic(
+    write_json_atomic(
         settings.state_dir / "server.json", {"url": f"http://{host}:{bound}", "pid": os.getpid(), "port": bound}
     )
     logging.getLogger("fleet.localcloud").info("listening on http://%s:%s", host, bound)

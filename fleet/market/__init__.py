@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
 
 
 class MarketError(FleetError, RuntimeError):

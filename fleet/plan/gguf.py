@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 import httpx
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
 
 FIRST_RANGE = 256 * 1024
 MAX_HEADER = 128 * 1024 * 1024

@@ -18,7 +18,7 @@ from typing import Any
 
 import gguf
 
-from fleet.ggufhead import GgufError, GgufHeader
+from fleet.plan.gguf import GgufError, GgufHeader
 
 GIB = 1024**3
 MIB = 1024**2

@@ -154,13 +154,13 @@ async def run_cache(
                 warm.append(
                     WarmTurn(
                         prompt_tokens,
-                        int(result.server_timings.get("prompt_n", 0)),
-                        int(result.server_timings.get("cache_n", 0)),
+                        result.served.prompt_n,
+                        result.served.cache_n,
                         prompt_tokens - cached_before,
                         previous[1],
                     )
                 )
-            previous = (prompt_tokens, int(result.server_timings.get("predicted_n", 0)))
+            previous = (prompt_tokens, result.served.predicted_n)
             messages.append({"role": "assistant", "content": result.content})
 
         rewrite = None
@@ -181,9 +181,7 @@ async def run_cache(
                 {"role": "user", "content": call.user_turns[(turns + 1) % len(call.user_turns)]},
             ]
             after = await conn.chat({"messages": messages, "tools": call.tools, "max_tokens": 4, "temperature": 0})
-            rewrite = Rewrite(
-                prefix, int(after.server_timings.get("cache_n", 0)), int(after.server_timings.get("prompt_n", 0))
-            )
+            rewrite = Rewrite(prefix, after.served.cache_n, after.served.prompt_n)
     finally:
         await conn.close()
     return judge_cache(warm, renderings.breaks, rewrite, allowance, renderings.glue, accepted)

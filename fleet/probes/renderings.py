@@ -14,7 +14,7 @@ said, but it costs every warm turn the model's whole last turn again (+14 ms a t
 field), and where it stands before a rewrite it hides it. fleet's repaired template keeps the block.
 
 The check is pure of I/O: it takes a renderer, so the same check runs against a server's
-`/apply-template` (the cache probe) and against the template text on this machine (fleet/chat_template.py,
+`/apply-template` (the cache probe) and against the template text on this machine (fleet/probes/template.py,
 before `fleet up` rents anything).
 """
 

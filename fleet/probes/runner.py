@@ -6,7 +6,7 @@ from pathlib import Path
 
 import asyncssh
 
-from fleet.config import Profile, Settings
+from fleet.core.config import Profile, Settings
 from fleet.probes import ProbeResult
 from fleet.probes.cache import run_cache
 from fleet.probes.call import load_call

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
+from fleet.engines.llama_server import Timings
 
 CLOSE_CHECK_S = 0.05
 
@@ -78,6 +79,11 @@ class ChatResult:
     events: int = 0
     error: str | None = None
     server_closed: bool = False  # the server closed the connection after this response
+
+    @property
+    def served(self) -> Timings:
+        """What the server's `timings` say of this reply (fleet/engines/llama_server.py)."""
+        return Timings.of(self.server_timings)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""

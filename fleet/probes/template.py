@@ -18,8 +18,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from fleet.config import Profile
-from fleet.errors import BadInput
+from fleet.core.config import Profile
+from fleet.core.errors import BadInput
 from fleet.probes.call import load_call
 from fleet.probes.renderings import Message, Renderings, check_renderings
 

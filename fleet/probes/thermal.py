@@ -19,7 +19,7 @@ from typing import Any
 
 import asyncssh
 
-from fleet.errors import FleetError
+from fleet.core.errors import FleetError
 from fleet.probes import ProbeResult
 from fleet.probes.gpu import QUERY, GpuParseError, GpuSample, parse_query_csv
 from fleet.probes.stream import Connection, StreamError
@@ -144,7 +144,7 @@ class _Load:
                     r = await conn.chat(
                         {"messages": LOAD_PROMPT, "max_tokens": self.tokens, "temperature": 1.0, "ignore_eos": True}
                     )
-                    if r.status == 200 and r.server_timings.get("predicted_n"):
+                    if r.status == 200 and r.served.predicted_n:
                         self.count.ok += 1
                     else:
                         self.count.failed += 1
@@ -171,7 +171,7 @@ async def one_caller_rate(base_url: str, api_key: str, tokens: int) -> float:
         await conn.close()
     if r.status != 200:
         raise ThermalError(f"the one-caller decode request failed: {r.error or f'HTTP {r.status}'}")
-    return float(r.server_timings.get("predicted_per_second", 0.0))
+    return r.served.predicted_per_second or 0.0
 
 
 async def run_thermal(

@@ -1,5 +1,5 @@
 """Crash anywhere: `fleet up`, `fleet destroy` and `fleet reprice` are SIGKILLed at each boundary in turn
-(FLEET_CRASH_AT, fleet/failpoints.py). Then `fleet reconcile` and `fleet destroy --all` leave nothing running
+(FLEET_CRASH_AT, fleet/core/failpoints.py). Then `fleet reconcile` and `fleet destroy --all` leave nothing running
 at the marketplace and no host process, every instance ever made is in the record with its end and its
 cost, and no intent bought twice."""
 

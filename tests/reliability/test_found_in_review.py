@@ -11,10 +11,10 @@ import sys
 import httpx
 import pytest
 
-from fleet import rotation
-from fleet.config import Traffic
-from fleet.lifecycle import UpRequest
-from fleet.models import HostState
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.core.config import Traffic
+from fleet.core.models import HostState
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import listed_instances, polite
 

@@ -14,11 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleet import config, ggufhead, offers
-from fleet.errors import FleetError
+from fleet.core import config
+from fleet.core.errors import FleetError
+from fleet.economics import offers
 from fleet.localcloud import tinymodels
 from fleet.market import MarketError, Offer
 from fleet.market.vast import instance_from_row
+from fleet.plan import gguf as ggufhead
 from tests.fleetkit import ROOT, write_config
 
 NASTY = [

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fleet import rotation
-from fleet.lifecycle import UpRequest
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.core.models import HostState
+from fleet.host.remote import HostKeyMismatch
 from fleet.localcloud import control
-from fleet.models import HostState
-from fleet.remote import HostKeyMismatch
 from tests.conftest import CloudHandle, _stop_and_check
 from tests.fleetkit import first_machine, fleet_for, settings_for, with_variant
 from tests.helpers import listed_instances

@@ -1,0 +1,11 @@
+"""What a host serves. Each engine module says, for its server, the argv from a profile, and how a reply
+reports its timings and cache use; probes and the gateway ask the engine, nothing else knows its flags.
+
+Every engine's files on a host live under one layout, which the image's host scripts share."""
+
+RUN_DIR = "fleet-run"  # on the host, beside the models: the API key file, the server's PID and log
+MODELS_DIR = "models"
+TEMPLATE_FILE = f"{RUN_DIR}/chat-template.jinja"  # the chat template fleet puts on the host, when a profile names one
+# The server's port inside the host. An ordinary port: vast.ai maps it to a random external port on the
+# public IP and lists that in the instance's `ports` (an identity port above 70000 is never listed there).
+SERVICE_PORT = 18080

@@ -1,0 +1,90 @@
+"""The local cloud's settings and its state on disk: `state.json` (instances, SSH keys, charges, next ids),
+saved atomically and private after every change, so `fleet` commands see the same instances across
+restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.localcloud.billing import Charge
+from fleet.localcloud.instances import Instance
+
+
+@dataclass
+class CloudSettings:
+    """How the cloud behaves. The defaults are vast.ai's hardest documented forms (docs/vast-fidelity.md),
+    with boot phases shortened from minutes to seconds. `kind` turns off the time-based hardships (rate
+    limits, read lag, late SSH keys, heartbeat gaps) for tests that say why; the structure (NAT, SSH,
+    environment, error shapes, money) never changes."""
+
+    state_dir: Path
+    offers_dir: Path
+    llama_server: Path | None = None
+    provision_delay_s: float = 0.6  # null -> scheduling -> created, a third each
+    loading_delay_s: float = 1.0
+    hub_bytes_per_s: int = 4 * 1024 * 1024  # per connection, like a CDN edge
+    kind: bool = False
+
+    @property
+    def read_lag_s(self) -> float:
+        """How long a new instance stays invisible to show and list."""
+        return 0.0 if self.kind else 3.0
+
+    @property
+    def key_lag_s(self) -> float:
+        """How long after `running` the account's SSH keys reach the host (auth fails meanwhile)."""
+        return 0.0 if self.kind else 1.5
+
+
+@dataclass
+class State:
+    next_instance_id: int = 1001
+    next_key_id: int = 1
+    instances: dict[int, Instance] = field(default_factory=dict)
+    ssh_keys: list[dict[str, Any]] = field(default_factory=list)
+    charges: list[Charge] = field(default_factory=list)
+    offer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
+    removed_offers: list[int] = field(default_factory=list)
+    destroyed: list[int] = field(default_factory=list)  # ids that existed: show answers them as gone
+
+
+def load_state(path: Path) -> State:
+    if not path.exists():
+        return State()
+    raw = json.loads(path.read_text())
+    return State(
+        next_instance_id=raw["next_instance_id"],
+        next_key_id=raw["next_key_id"],
+        instances={int(k): Instance(**v) for k, v in raw["instances"].items()},
+        ssh_keys=raw["ssh_keys"],
+        charges=[Charge(**c) for c in raw["charges"]],
+        offer_overrides={int(k): v for k, v in raw.get("offer_overrides", {}).items()},
+        removed_offers=raw.get("removed_offers", []),
+        destroyed=raw.get("destroyed", []),
+    )
+
+
+def save_state(path: Path, s: State) -> None:
+    raw = {
+        "next_instance_id": s.next_instance_id,
+        "next_key_id": s.next_key_id,
+        "instances": {str(k): vars(v) for k, v in s.instances.items()},
+        "ssh_keys": s.ssh_keys,
+        "charges": [vars(c) for c in s.charges],
+        "offer_overrides": {str(k): v for k, v in s.offer_overrides.items()},
+        "removed_offers": s.removed_offers,
+        "destroyed": s.destroyed,
+    }
+    write_json_atomic(path, raw)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
