@@ -51,11 +51,14 @@ class Fleet(Context):
         max_price: float | None = None,
         exclude_unusable: bool = False,
         record_seen: bool = True,
+        explain: bool = False,
     ) -> offer_rules.Funnel:
-        return await fleet.control.offers.search(self, model, region, max_price, exclude_unusable, record_seen)
+        return await fleet.control.offers.search(self, model, region, max_price, exclude_unusable, record_seen, explain)
 
-    def rank(self, model: Profile, found: list[Offer], by_price: bool = False) -> list[tuple[Offer, Expectation]]:
-        return fleet.control.offers.rank(self, model, found, by_price)
+    def rank(
+        self, model: Profile, found: list[Offer], by_price: bool = False, pull_gb: float = 0.0
+    ) -> list[tuple[Offer, Expectation]]:
+        return fleet.control.offers.rank(self, model, found, by_price, pull_gb)
 
     async def up(self, request: UpRequest) -> UpResult:
         return await fleet.control.up.up(self, request)

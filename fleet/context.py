@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 from fleet.core.config import ConfigError, Settings
 from fleet.core.keys import SshKey, ensure_key
-from fleet.core.models import Host
+from fleet.core.models import LABEL_PREFIX, Host
 from fleet.core.ownership import process_owner
 from fleet.core.record import Record, open_database
 from fleet.localcloud import control as local_cloud
@@ -113,11 +113,15 @@ class Context:
         self.hub_url = hub_url.rstrip("/")
         self.reporter: Reporter = reporter or QuietReporter()
         self.owner = process_owner()
+        # every instance this install rents is labelled so; reconcile takes only such strays
+        self.label_prefix = f"{LABEL_PREFIX}{record.install_id()}:"
         self.leases = Leases(record, settings.up.lease_s, self.owner)
         self.waits = Waits()
         self.watch = InstanceWatch(market, settings.provider.poll_max_interval_s)
         self.headers: dict[str, GgufHeader] = {}  # by URL: a file at a pinned revision never changes
         self.templates: dict[str, tuple[str | None, str]] = {}  # by profile: (text, where it came from)
+        # an API key that may not add fleet's SSH key to the account (no user_write) attaches it to each instance
+        self.key_per_instance = False
 
     async def close(self) -> None:
         self.leases.close()

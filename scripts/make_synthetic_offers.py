@@ -17,6 +17,8 @@ GPUS = {  # name: (MB per GPU, compute cap, max power W, mem bw GB/s, TFLOPS)
     "RTX A6000": (49140, 860, 300.0, 768.0, 38.7),
     "L40S": (46068, 890, 350.0, 864.0, 91.6),
     "RTX A4000": (16376, 860, 140.0, 448.0, 19.2),
+    "Tesla V100": (32768, 700, 300.0, 900.0, 15.7),
+    "RTX 5090": (32607, 1200, 575.0, 1792.0, 104.8),
 }
 # (gpu, n, country, dph_base, reliability, cuda, direct ports, inet $/GB, disk GB, verified, why)
 ROWS = [
@@ -41,14 +43,24 @@ ROWS = [
     ("L40S", 1, "Quebec, CA", 0.699, 0.996, 12.8, 40, 0.003, 1000, True, "not EU"),
     ("RTX 4090", 1, "Guangdong, CN", 0.280, 0.981, 12.8, 10, 0.010, 200, True, "not EU"),
     ("RTX A4000", 1, "Portugal, PT", 0.142, 0.991, 12.8, 8, 0.005, 150, True, "16 GB: too small for a4b"),
+    # (appended, so that the rows above keep their random draws)
+    ("Tesla V100", 1, "Germany, DE", 0.120, 0.995, 12.8, 10, 0.004, 200, True, "compute 7.0: not in the image"),
+    ("RTX 5090", 1, "Sweden, SE", 0.395, 0.996, 12.9, 16, 0.004, 400, True, "Blackwell, compute 12.0"),
+    ("RTX 3090", 1, "Denmark, DK", 0.180, 0.994, 12.8, 10, 0.004, 200, True, "contract ends in 10 h"),
+    ("RTX 3090", 1, "Slovakia, SK", 0.185, 0.994, 12.8, 10, 0.004, 200, True, "a 40 Mbit/s link"),
 ]
+# What a row's offer says apart from the columns above (its contract's time left, its link's speed).
+OVERRIDES = {
+    "contract ends in 10 h": {"duration": 36000.0},
+    "a 40 Mbit/s link": {"inet_down": 40.0},
+}
 
 
 def main() -> None:
     rng = random.Random(2026)
     offers = []
     machine_id, offer_id, gpu_id = 61000, 29001000, 510000
-    for gpu, n, geo, dph_base, rel, cuda, ports, inet, disk, verified, _why in ROWS:
+    for gpu, n, geo, dph_base, rel, cuda, ports, inet, disk, verified, why in ROWS:
         mb, cc, watts, bw, tflops = GPUS[gpu]
         machine_id += rng.randint(3, 40)
         ids = list(range(gpu_id, gpu_id + n))
@@ -126,6 +138,7 @@ def main() -> None:
                     "rented": False,
                 }
             )
+            row.update(OVERRIDES.get(why, {}))
             total = base + storage_cost / 720 * 5
             row["dph_total"] = total
             row["dlperf_per_dphtotal"] = row["dlperf"] / total

@@ -88,13 +88,18 @@ async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:
 
 
 async def shown(api: httpx.AsyncClient, instance_id: int) -> dict[str, Any] | None:
-    """Show one instance; None when vast.ai says it is not there (null or 404, it answers either)."""
+    """Show one instance; None when vast.ai says it is not there: null, a 404, or (after a destroy) a row that
+    says so, as it answers each."""
     r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
     if r.status_code == 404:
         assert r.json()["error"] == "no_such_instance", r.text
         return None
     r.raise_for_status()
-    return r.json()["instances"]
+    row = r.json()["instances"]
+    if row is not None and row.get("actual_status") == "destroyed":
+        assert row["intended_status"] == "destroyed" and row["cur_state"] == "unloaded" and row["ports"] is None
+        return None
+    return row
 
 
 def processes_mentioning(path: Path) -> list[int]:

@@ -84,9 +84,15 @@ def test_missing_config_file_exits_2(env, tmp_path):
 
 
 def test_offers_json_has_ranked_offers_and_the_funnel(env):
-    result = fleet(env, "offers", "--model", "tiny", "--region", "eu", "--json")
+    # the search carries every filter: what the marketplace answered passes them all
+    asked = json.loads(fleet(env, "offers", "--model", "tiny", "--region", "eu", "--json").stdout)
+    assert "compute capability" in asked["funnel"]["asked"] and asked["funnel"]["truncated"] is False
+    assert all(r["count"] == 0 for r in asked["funnel"]["removed"])
+    # --explain asks for the pool alone and counts here what each filter removes
+    result = fleet(env, "offers", "--model", "tiny", "--region", "eu", "--explain", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
+    assert [o["id"] for o in data["offers"]] == [o["id"] for o in asked["offers"]]
     offers = data["offers"]
     assert offers and {
         "id",
@@ -103,6 +109,15 @@ def test_offers_json_has_ranked_offers_and_the_funnel(env):
     # the synthetic snapshot carries one offer failing each filter
     assert removed["reliability"] >= 1 and removed["CUDA"] >= 1 and removed["disk"] >= 1
     assert removed["direct"] >= 1 and removed["traffic"] >= 1 and removed["verified"] >= 1
+    assert removed["compute"] >= 1 and removed["contract"] >= 1 and removed["download"] >= 1
+
+
+def test_offers_say_when_the_answer_filled_the_search_window(env, tmp_path):
+    config = tmp_path / "small-window.toml"
+    config.write_text(Path(env["FLEET_CONFIG"]).read_text().replace("search_limit = 1000", "search_limit = 3"))
+    result = fleet({**env, "FLEET_CONFIG": str(config)}, "offers", "--model", "tiny", "--region", "eu")
+    assert result.returncode == 0, result.stderr
+    assert "the answer was full" in result.stdout and "at most 3 offers" in result.stdout
 
 
 def test_offers_save_writes_a_raw_snapshot(env, tmp_path):
@@ -147,7 +162,7 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
     assert answer["bill"]["total_usd"] == pytest.approx(sum(line["total_usd"] for line in lines))
     for line in lines:  # the rent is what the record closed; traffic is on top, at the profile's rate
         [closed] = [h for h in answer["hosts"] if h["name"] == line["host"]]
-        assert line["rent_usd"] == closed["accrued_usd"]
+        assert line["rent_usd"] + line["pull_usd"] == pytest.approx(closed["accrued_usd"])
     assert cloud.state()["instances"] == {}
     assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
     again = fleet(env, "destroy", "--all", "--yes")

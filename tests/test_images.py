@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fleet.engines.llama_server import CUDA_ARCHITECTURES
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "images" / "llama-server"
 
@@ -42,3 +44,11 @@ def test_image_ships_no_keys_or_weights():
     text = (IMAGE / "Dockerfile").read_text()
     assert "rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_*" in text
     assert not re.search(r"\.gguf|HF_TOKEN|api[-_]key", text, re.I)
+
+
+def test_image_is_built_for_every_card_the_offer_filter_admits():
+    """One list: the Dockerfile builds llama-server for exactly the architectures fleet rents cards of."""
+    text = (IMAGE / "Dockerfile").read_text()
+    [built] = re.findall(r'^ARG CUDA_ARCHITECTURES="([0-9;]+)"$', text, re.M)
+    assert tuple(int(a) for a in built.split(";")) == CUDA_ARCHITECTURES
+    assert '-DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES}"' in text

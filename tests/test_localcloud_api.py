@@ -161,16 +161,18 @@ async def test_instance_lifecycle_list_label_billing_and_offer_hiding(api: httpx
             params={"select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}, "type": {"in": ["instance"]}})},
         )
     ).json()
-    mine = [c for c in charges["results"] if c["source"] == f"instance-{instance_id}"]
-    assert mine and mine[0]["amount"] > 0 and mine[0]["metadata"]["ongoing"] is True
+    mine = {c["items"][0]["type"]: c for c in charges["results"] if c["source"] == f"instance-{instance_id}"}
+    assert set(mine) == {"storage", "bandwidth", "gpu"}
+    assert mine["gpu"]["amount"] > 0 and mine["gpu"]["metadata"]["ongoing"] is True  # from running on
+    assert mine["storage"]["metadata"]["ongoing"] is False  # the disk alone, while it loaded
 
     await destroy(api, instance_id)
     assert await shown(api, instance_id) is None
     charges = (
         await api.get("/api/v0/charges/", params={"select_filters": json.dumps({"day": {"gte": 0, "lte": 4e9}})})
     ).json()
-    closed = next(c for c in charges["results"] if c["source"] == f"instance-{instance_id}")
-    assert closed["metadata"]["ongoing"] is False
+    closed = [c for c in charges["results"] if c["source"] == f"instance-{instance_id}"]
+    assert len(closed) == 3 and not any(c["metadata"]["ongoing"] for c in closed)
     credit_after = (await api.get("/api/v0/users/current")).json()["credit"]
     later = (await api.get("/api/v0/users/current")).json()["credit"]
     assert credit_after <= credit_before and later == credit_after  # billing stopped at destroy

@@ -99,7 +99,8 @@ def test_vastai_cli_search_create_show_destroy(cloud, vastai_bin, vastai_env, ss
     assert destroyed.returncode == 0, destroyed.stderr
     time.sleep(SHOW_INTERVAL_S)
     gone = vastai(vastai_bin, vastai_env, cloud, "show", "instance", str(instance_id))
-    assert "not found" in gone.stdout + gone.stderr
+    assert gone.returncode in (0, 1), gone.stderr  # the CLI reads each form vast.ai answers after a destroy
+    assert "not found" in gone.stderr or "destroyed" in gone.stdout, gone.stdout + gone.stderr
     assert host_processes(cloud.info.state_dir, instance_id, token) == []
 
 
@@ -170,12 +171,18 @@ def test_vastai_cli_stop_keeps_the_disk_and_bills_it_start_boots_again(cloud, va
     try:
         stopped = vastai(vastai_bin, vastai_env, cloud, "stop", "instance", str(instance_id))
         assert stopped.returncode == 0 and f"stopping instance {instance_id}" in stopped.stdout, stopped.stderr
-        row = wait_for(vastai_bin, vastai_env, cloud, instance_id, "stopped")
+        row = wait_for(vastai_bin, vastai_env, cloud, instance_id, "exited")  # how vast.ai shows a stop
         assert (row["intended_status"], row["cur_state"], row["ports"]) == ("stopped", "stopped", None)
         assert host_processes(cloud.info.state_dir, instance_id, token) == []  # nothing runs, nothing answers
         kinds = [c for c in cloud.state()["charges"] if c["instance_id"] == instance_id]
-        assert [(c["kind"], c["end"] is None) for c in kinds] == [("gpu", False), ("storage", True)]
-        assert 0 < kinds[1]["dph_total"] < row["dph_total"]  # the disk alone keeps billing
+        # the disk while it loaded, its traffic, the GPU while it ran, the disk alone again now
+        assert [(c["kind"], c["end"] is None) for c in kinds] == [
+            ("storage", False),
+            ("bandwidth", True),
+            ("gpu", False),
+            ("storage", True),
+        ]
+        assert 0 < kinds[3]["dph_total"] < row["dph_total"]  # the disk alone keeps billing
 
         # another renter takes the GPU meanwhile: the start waits in scheduling until it is free again
         cloud.set_faults({"gpu_taken": [offer["machine_id"]]})

@@ -1,8 +1,13 @@
 """The filter funnel and ranking: pure functions on plain offers."""
 
-from fleet.core.config import Filters, Profile
-from fleet.economics.offers import Criteria, effective_price_per_hour, funnel
+import time
+
+from fleet.core.config import Filters, Profile, Traffic
+from fleet.economics.offers import Criteria, OfferQuery, effective_price_per_hour, funnel, query_for
+from fleet.engines.llama_server import COMPUTE_CAPS
 from fleet.market import Offer
+
+NOW = time.time()
 
 
 def offer(i: int, **kw) -> Offer:
@@ -21,6 +26,9 @@ def offer(i: int, **kw) -> Offer:
         disk_space_gb=200,
         direct_port_count=4,
         verified=True,
+        compute_cap=860,
+        end_date=NOW + 30 * 86400,
+        inet_down_mbps=1000.0,
     )
     return Offer(**{**base, **kw})
 
@@ -34,7 +42,13 @@ PROFILE = Profile(
     traffic_gb_per_hour={"up": 10, "down": 1},
     files=[{"key": "main", "repo": "a/b", "file": "m.gguf"}],
 )
-CRITERIA = Criteria(countries=frozenset({"SE", "DE"}), filters=Filters(), min_gpu_ram_gb=24)
+CRITERIA = Criteria(
+    countries=frozenset({"SE", "DE"}),
+    filters=Filters(),
+    min_gpu_ram_gb=24,
+    compute_caps=COMPUTE_CAPS,
+    contract_ends_after=NOW + 48 * 3600,
+)
 
 
 def test_each_filter_removes_its_offer_and_says_so():
@@ -48,11 +62,17 @@ def test_each_filter_removes_its_offer_and_says_so():
         offer(7, inet_up_usd_per_gb=0.06),
         offer(8, verified=False),
         offer(9, gpu_ram_mb=16384),
+        offer(10, gpu_name="Tesla V100", compute_cap=700),  # the image's CUDA build has no sm_70
+        offer(11, end_date=NOW + 3 * 3600),  # its contract ends in 3 hours
+        offer(12, inet_down_mbps=50.0),  # a 15 GB pull would take 40 minutes
     ]
     result = funnel(offers, CRITERIA, PROFILE)
     assert [o.id for o in result.passed] == [1]
-    assert [count for _, count in result.removed] == [1, 1, 1, 1, 1, 1, 1, 1]
-    assert result.seen == 9 and result.as_dict()["passed"] == 1
+    assert [count for _, count in result.removed] == [1] * 11
+    names = [name for name, _ in result.removed]
+    assert names[7].startswith("compute capability 8/8.6/8.9/9/10/12")
+    assert names[8] == "contract runs >= 48 h" and names[9] == "download >= 128 Mbit/s"
+    assert result.seen == 12 and result.as_dict()["passed"] == 1
 
 
 def test_ranking_is_by_effective_price_including_traffic():
@@ -79,3 +99,28 @@ def test_excluded_machines_and_price_cap():
 def test_empty_input_gives_an_empty_explained_funnel():
     result = funnel([], CRITERIA, PROFILE)
     assert result.passed == [] and result.seen == 0 and all(c == 0 for _, c in result.removed)
+
+
+def test_the_search_carries_every_filter_and_a_full_answer_says_so():
+    query = query_for(CRITERIA, PROFILE)
+    assert query.limit == 1000 and not query.pool_only
+    assert query.compute_caps == COMPUTE_CAPS and query.min_duration_s == 48 * 3600
+    assert query.min_inet_down_mbps == 128 and query.min_reliability == 0.98 and query.verified_only
+    full = funnel([offer(i) for i in range(1, 4)], CRITERIA, PROFILE, OfferQuery(["SE"], limit=3))
+    assert full.truncated and full.as_dict()["truncated"] is True
+    room = funnel([offer(1)], CRITERIA, PROFILE, OfferQuery(["SE"], limit=3))
+    assert not room.truncated
+    assert query_for(CRITERIA, PROFILE, pool_only=True).pool_only
+
+
+def test_the_pull_moves_the_ranking_when_only_the_download_price_differs():
+    no_serving_download = PROFILE.model_copy(update={"traffic_gb_per_hour": Traffic(up=10, down=0)})
+    dear_download = offer(1, inet_down_usd_per_gb=0.04)
+    cheap_download = offer(2, dph_total=offer(1).dph_total, inet_down_usd_per_gb=0.001)
+    assert funnel([dear_download, cheap_download], CRITERIA, no_serving_download).passed == [
+        dear_download,
+        cheap_download,
+    ]  # the same effective $/h: the offer id decides
+    with_pull = Criteria(**{**CRITERIA.__dict__, "pull_gb": 15.0})  # a bring-up downloads 15 GB
+    result = funnel([dear_download, cheap_download], with_pull, no_serving_download)
+    assert result.passed == [cheap_download, dear_download]

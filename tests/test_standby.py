@@ -33,16 +33,22 @@ async def test_a_standby_host_is_probed_stopped_billed_for_its_disk_and_left_alo
             ran = [r.name for r in fleet.record.probe_runs(host.id)]
             assert ran == ["smoke", "cache", "keepalive"]  # the whole path, probes included
             instance = await fleet.market.get(host.instance_id)
-            assert instance.status == "stopped"
+            assert instance.status == "exited" and instance.stopped  # vast.ai's form of a stopped instance
             charges = [c for c in cloud.state()["charges"] if c["instance_id"] == host.instance_id]
-            assert [c["kind"] for c in charges] == ["gpu", "storage"] and charges[-1]["end"] is None
+            assert [c["kind"] for c in charges] == ["storage", "bandwidth", "gpu", "storage"]
+            assert charges[-1]["end"] is None
             assert 0 < host.storage_usd_per_hour == pytest.approx(charges[-1]["dph_total"])
             assert host.storage_usd_per_hour < host.dph_total / 10
 
             # an hour in the pool costs the disk's hour, not the GPU's
             later = host.stopped_at + timedelta(hours=1)
-            running = (host.stopped_at - host.created_at).total_seconds() / 3600
-            assert accrued_usd(host, later) == pytest.approx(host.dph_total * running + host.storage_usd_per_hour)
+            loading = (host.running_at - host.created_at).total_seconds() / 3600  # the disk alone: no GPU yet
+            running = (host.stopped_at - host.running_at).total_seconds() / 3600
+            pull = host.pulled_bytes / 1e9 * host.inet_down_usd_per_gb
+            assert host.pulled_bytes > 0 and pull > 0
+            assert accrued_usd(host, later) == pytest.approx(
+                host.dph_total * running + host.storage_usd_per_hour * (1 + loading) + pull
+            )
             [line] = bill([host], later).lines
             assert line.standby_hours == pytest.approx(1.0)
 

@@ -178,7 +178,7 @@ async def test_reconcile_destroys_strays_and_marks_vanished_hosts(cloud, tmp_pat
         host = result.ready[0]
         async with cloud.client() as api:
             offer = await cheapest_offer(api)
-            stray = await rent(api, offer["id"], label="fleet:lost-one")
+            stray = await rent(api, offer["id"], label=f"{fleet.label_prefix}lost-one")  # ours: this install's label
             await destroy(api, host.instance_id)  # vanished behind our back
             # vast.ai's reads lag create: the stray is swept once the listing shows it (a fresh one waits
             # for the next reconcile)

@@ -172,7 +172,8 @@ async def test_the_market_client_stops_and_starts_an_instance_keeping_its_disk(c
             before = await fleet.market.get(host.instance_id)
             await fleet.market.stop(host.instance_id)
             await fleet.market.stop(host.instance_id)  # idempotent
-            stopped = await _until(fleet, host.instance_id, "stopped")
+            stopped = await _until(fleet, host.instance_id, "exited")  # vast.ai shows a stopped instance so
+            assert stopped.stopped and stopped.intended == "stopped" and stopped.cur_state == "stopped"
             assert stopped.ports == {} and stopped.machine_id == before.machine_id
             await fleet.market.start(host.instance_id)
             running = await _until(fleet, host.instance_id, "running")

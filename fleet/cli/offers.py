@@ -23,12 +23,17 @@ def offers_cmd(
     max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h to show.")] = None,
     save: Annotated[bool, typer.Option("--save", help="Write the raw answer into offers/ as a snapshot.")] = False,
     by_price: ByPrice = False,
+    explain: Annotated[
+        bool,
+        typer.Option("--explain", help="Ask for the region and card alone, and count here what each filter removes."),
+    ] = False,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """What the marketplace offers that fits: every filter re-checked, ranked by the expected cost of a
-    voice-minute (what fleet measured on the machine or its GPU model, else the profile's slots; past
-    failures and time to READY count against it), or by effective $/h with --by-price."""
+    """What the marketplace offers that fits: every filter sent with the search and re-checked here, ranked by
+    the expected cost of a voice-minute (what fleet measured on the machine or its GPU model, else the
+    profile's slots; past failures, time to READY and the pull's traffic count against it), or by expected
+    $/h with --by-price."""
     settings = load_settings(config_path)
     try:
         profile = settings.profile(model)
@@ -38,8 +43,8 @@ def offers_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
-            funnel = await fleet.offers(model, region, max_price)
-            return funnel, fleet.rank(profile, funnel.passed, by_price)
+            funnel = await fleet.offers(model, region, max_price, explain=explain)
+            return funnel, fleet.rank(profile, funnel.passed, by_price, funnel.pull_gb)
 
     funnel, ranked = run_async(go)
     saved = None

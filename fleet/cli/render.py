@@ -81,10 +81,16 @@ def offers(title: str, rows: list[dict[str, Any]], funnel: Any) -> None:
     ]
     columns = ("offer", "machine", "GPU", "country", "reliab.", "$/h", "eff. $/h", "$/GB", "$/voice-min", "why")
     table(columns, cells, title=title)
-    line(f"funnel: {funnel.seen} offered")
+    line(f"funnel: {funnel.seen} offered" + (f" (the marketplace applied: {funnel.asked})" if funnel.asked else ""))
     for name, count in funnel.removed:
         line(f"  - {count:4d} removed by {name}")
     line(f"  = {len(rows)} pass")
+    if funnel.truncated:
+        dearest = max((o.dph_total for o in funnel.offers), default=0.0)
+        line(
+            f"[yellow]the answer was full[/yellow]: the marketplace answers at most {funnel.limit} offers, cheapest "
+            f"first; offers above ${dearest:.4f}/h went unseen (filters.search_limit, or narrow with --max-price)"
+        )
 
 
 def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
@@ -156,7 +162,19 @@ def standby(rows: list[dict[str, Any]], failures: list[str]) -> None:
 
 
 def status(hosts: list[dict[str, Any]]) -> None:
-    columns = ("name", "state", "instance", "GPU", "where", "$/h", "cost $", "callers", "$/voice-min", "endpoint")
+    columns = (
+        "name",
+        "state",
+        "instance",
+        "GPU",
+        "where",
+        "$/h",
+        "cost $",
+        "callers",
+        "$/voice-min",
+        "contract ends",
+        "endpoint",
+    )
     rows = [
         (
             h["name"],
@@ -168,6 +186,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
             f"{h['accrued_usd']:.4f}",
             "-" if h["capacity"] is None else f"{'>=' if h['capacity_at_least'] else ''}{h['capacity']}",
             "-" if h["usd_per_voice_minute"] is None else f"{h['usd_per_voice_minute']:.5f}",
+            h["contract_end_at"][:16].replace("T", " ") if h["contract_end_at"] else "-",
             h["endpoint"] or "-",
         )
         for h in hosts
@@ -233,12 +252,14 @@ def destroyed(report: Any, session: Any) -> None:
                 b.geolocation[-2:],
                 f"{b.hours:.3f}",
                 f"{b.rent_usd:.4f}",
+                f"{b.pull_usd:.4f}",
                 f"{b.traffic_usd:.4f}",
                 f"{b.total_usd:.4f}",
             )
             for b in session.lines
         ]
-        table(("host", "GPU", "where", "hours", "rent $", "traffic $", "total $"), rows, title="the bill")
+        columns = ("host", "GPU", "where", "hours", "rent $", "pull $", "traffic $", "total $")
+        table(columns, rows, title="the bill")
         line(f"total: ${session.total_usd:.4f} (traffic at the profiles' expected rates)")
 
 

@@ -30,11 +30,12 @@ from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlalchemy.engine import Engine
-from sqlmodel import select
+from sqlmodel import col, select
 
 from fleet.context import Context, open_context
 from fleet.control import rotation
 from fleet.control import sizing as sizing_mod
+from fleet.control.account import check_credit
 from fleet.control.reconcile import reconcile
 from fleet.core import config
 from fleet.core import record as db
@@ -138,6 +139,8 @@ async def run_reconcile(config_path: str) -> None:
             report["failed"],
             report["strays_destroyed"],
         )
+        credit = await check_credit(ctx)  # vast.ai stops every instance at zero: say so ahead of time
+        (log.warning if credit.warn else log.info)("%s", credit.line())
 
     await _run("reconcile", config_path, lambda r: r.reconcile_every_s, work)
 
@@ -204,6 +207,10 @@ class FleetCollector(Collector):
                 for name, passed in latest.items():
                     probes.add_metric([h.name, name], 1.0 if passed else 0.0)
             yield probes
+            latest = s.exec(select(Event).where(Event.action == "credit").order_by(col(Event.id).desc())).first()
+            usd = json.loads(latest.detail).get("usd") if latest is not None else None
+            if isinstance(usd, int | float):
+                yield GaugeMetricFamily("fleet_credit_usd", "The account's credit at the last reading", value=usd)
             replacements = CounterMetricFamily("fleet_replacements", "Hosts replaced, by why", labels=["reason"])
             reasons: dict[str, int] = {}
             for event in s.exec(select(Event).where(Event.action == "replace", Event.kind == "answer")):

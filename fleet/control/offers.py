@@ -4,6 +4,8 @@ of each machine (economics/selection.py)."""
 
 from __future__ import annotations
 
+import time
+
 from fleet.context import Context
 from fleet.control.status import machines
 from fleet.core.config import Profile
@@ -11,9 +13,10 @@ from fleet.core.models import LIVE_STATES, OfferSeen, utcnow
 from fleet.economics import offers as offer_rules
 from fleet.economics import selection
 from fleet.economics.selection import Expectation
+from fleet.engines.llama_server import COMPUTE_CAPS
 from fleet.host import profile as profiles
 from fleet.market import Offer
-from fleet.plan.memory import GIB
+from fleet.plan.memory import GIB, Plan
 
 
 def criteria(
@@ -22,14 +25,18 @@ def criteria(
     region: str,
     max_price: float | None,
     excluded: set[int] | None = None,
-    planned_gb: float = 0.0,
+    plan: Plan | None = None,
 ) -> offer_rules.Criteria:
     return offer_rules.Criteria(
         countries=frozenset(ctx.settings.region(region)),
         filters=ctx.settings.filters,
-        min_gpu_ram_gb=max(profile.gpu_ram_gb * 0.97, planned_gb),  # a "24 GB" card reports 23.99 GiB
+        # a "24 GB" card reports 23.99 GiB
+        min_gpu_ram_gb=max(profile.gpu_ram_gb * 0.97, plan.total_bytes() / GIB if plan else 0.0),
         max_usd_per_hour=max_price,
         excluded_machines=frozenset(excluded or ()),
+        compute_caps=COMPUTE_CAPS,
+        contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
+        pull_gb=plan.file_bytes / offer_rules.GB if plan else 0.0,
     )
 
 
@@ -40,19 +47,21 @@ async def search(
     max_price: float | None = None,
     exclude_unusable: bool = False,
     record_seen: bool = True,
+    explain: bool = False,
 ) -> offer_rules.Funnel:
-    """Search, re-check every filter locally, rank by effective $/h; record what was seen (unless a
-    dry run asks to write nothing)."""
+    """Search with every filter the marketplace understands, re-check each here, rank by expected $/h;
+    record what was seen (unless a dry run asks to write nothing). `explain`: ask for the region and the
+    card alone, so that the funnel counts what each filter removes."""
     profile = ctx.settings.profile(model)
     excluded = unusable_machines(ctx) if exclude_unusable else set()
-    needed = (await profiles.plan(ctx, model)).total_bytes() / GIB
-    wanted = criteria(ctx, profile, region, max_price, excluded, planned_gb=needed)
+    wanted = criteria(ctx, profile, region, max_price, excluded, await profiles.plan(ctx, model))
+    query = offer_rules.query_for(wanted, profile, pool_only=explain)
     async with ctx.waits.on("market"):
-        found = await ctx.market.search(offer_rules.query_for(wanted, profile))
+        found = await ctx.market.search(query)
     if record_seen:
         for o in found:
             ctx.record.add(seen(ctx.market.url, o))
-    return offer_rules.funnel(found, wanted, profile)
+    return offer_rules.funnel(found, wanted, profile, query)
 
 
 def seen(provider_url: str, offer: Offer) -> OfferSeen:
@@ -77,11 +86,11 @@ def unusable_machines(ctx: Context) -> set[int]:
 
 
 def rank(
-    ctx: Context, profile: Profile, offers: list[Offer], by_price: bool = False
+    ctx: Context, profile: Profile, offers: list[Offer], by_price: bool = False, pull_gb: float = 0.0
 ) -> list[tuple[Offer, Expectation]]:
     """The offers with what fleet expects of each (economics/selection.py), best expected $/voice-minute
-    first; `by_price` keeps the effective $/h order."""
+    first; `by_price` keeps the expected $/h order. `pull_gb`: what a bring-up downloads (the funnel's)."""
     known = {(m.provider_url, m.machine_id): m for m in machines(ctx)}
     if by_price:
-        return [(o, selection.expect(o, profile, known, ctx.market.url)) for o in offers]
-    return selection.rank(offers, profile, known, ctx.market.url)
+        return [(o, selection.expect(o, profile, known, ctx.market.url, pull_gb)) for o in offers]
+    return selection.rank(offers, profile, known, ctx.market.url, pull_gb)

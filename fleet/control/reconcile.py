@@ -11,7 +11,8 @@ that owner's lease runs out or the owner is seen dead. What is found:
   a stop cut short after the marketplace stopped it: STANDBY;
 - a create cut short before its answer: the instance is found by the host's label (an instance is known by
   its label before its id), or, once vast.ai's read lag has passed, the create bought nothing.
-Then the strays: instances that carry our label prefix and belong to no open host (a label no host row
+Then the strays: instances that carry this install's label prefix (fleet:<install id>:, so that two
+installs on one account never take each other's) and belong to no open host (a label no host row
 has, or the label of a host whose bill is closed) are destroyed. An empty or malformed listing while
 recorded instances exist is an error, never "no instances".
 """
@@ -26,7 +27,7 @@ from fleet.core.models import LABEL_PREFIX, Host, HostState, host_age_s, utcnow
 from fleet.economics.bill import accrued_usd
 from fleet.host.endpoints import publish_endpoints
 from fleet.host.teardown import destroy_instance, fail
-from fleet.market import FAILED, Instance, MarketError
+from fleet.market import Instance, MarketError
 
 
 async def reconcile(ctx: Context) -> dict[str, Any]:
@@ -41,7 +42,7 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
         "waiting": [],
     }
     async with ctx.waits.on("market"):
-        listing = await ctx.market.list(LABEL_PREFIX)
+        listing = await ctx.market.list(LABEL_PREFIX)  # every install's: a host may predate its install id
     by_id = {i.id: i for i in listing}
     by_label = {i.label: i for i in listing}
     unlisted_but_there = 0
@@ -107,15 +108,18 @@ async def _settle(
         await destroy_instance(ctx, host, final_state=final)
         report["destroyed"].append(host.name)
     elif host.state == HostState.READY:
-        if instance.status in FAILED:
-            await fail(ctx, host, "reconcile", f"instance {instance.status}", blacklist=True)
+        if instance.down:
+            # stopped as intended by vast.ai itself (spent credit, an ended contract): no machine to blame
+            why = f"vast.ai stopped it: {instance.status_msg or 'no message'}" if instance.stopped else None
+            await fail(ctx, host, "reconcile", why or f"instance {instance.status}", blacklist=why is None)
             report["failed"].append(host.name)
     elif host.state == HostState.STANDBY:
-        # stopped on purpose, weights on its disk: ours and billed, never a failure for being stopped
-        if instance.status in FAILED - {"stopped"}:
+        # stopped on purpose (vast.ai reads it exited, stopped intended), weights on its disk: ours and
+        # billed, never a failure for being stopped
+        if instance.down and not instance.stopped:
             await fail(ctx, host, "reconcile", f"standby instance {instance.status}", blacklist=True)
             report["failed"].append(host.name)
-    elif host.state == HostState.STOPPING and instance.status == "stopped":
+    elif host.state == HostState.STOPPING and instance.stopped:
         # the process stopping it died after the marketplace did its part: finish the move to the pool
         ctx.record.transition(host, HostState.STANDBY, stopped_at=utcnow())
         ctx.record.event("info", "reconcile", "stop finished: standby", host.id)
@@ -131,6 +135,8 @@ async def _sweep_strays(ctx: Context, listing: list[Instance], report: dict[str,
     open_labels = {h.label for h in hosts if h.destroyed_at is None}
     closed_ids = {h.instance_id for h in hosts if h.destroyed_at is not None and h.instance_id is not None}
     for instance in listing:
+        if not (instance.label or "").startswith(ctx.label_prefix):
+            continue  # another install's on a shared account (a laptop, a test run): never ours to destroy
         if instance.id in open_ids or instance.label in open_labels:
             continue  # an open host's instance (its owner may not have recorded the id yet)
         async with ctx.waits.on("market"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import httpx
 
@@ -18,13 +19,13 @@ from fleet.context import Context
 from fleet.control import offers
 from fleet.control.destroy import destroy
 from fleet.control.up import UpRequest, up
-from fleet.core.models import Host, HostState, utcnow
+from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
 from fleet.host import measure
 from fleet.host.endpoints import publish_endpoints
 from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
-from fleet.market import FAILED, HEARTBEAT_LOST, Instance
+from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance
 
 HOURS_PER_MONTH = 730
 
@@ -36,6 +37,7 @@ class HealthReport:
     reason: str
     failures: int
     replaced_by: str | None = None
+    blame: bool = True  # the machine is to blame (blacklisted when replaced); not when vast.ai stopped it
 
 
 @dataclass
@@ -60,7 +62,9 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
     agent, not of our server: the server decides."""
     if instance is None:
         return False, True, "the instance is gone"
-    if instance.status in FAILED:
+    if instance.stopped:
+        return False, True, f"vast.ai stopped the instance: {instance.status_msg or 'no message'}"
+    if instance.down:
         return False, True, f"the instance is {instance.status}"
     timeout = ctx.settings.rotation.health_timeout_s
     try:
@@ -98,20 +102,28 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     view = await marketplace_view(ctx, hosts)
     checks = await asyncio.gather(*(check_host(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
+    ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
     for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
         failures = 0 if healthy else host.health_failures + 1
         ctx.record.update(host, health_failures=failures, last_health_at=utcnow())
         if not healthy:
             ctx.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
-        report = HealthReport(host.name, healthy, reason, failures)
+        # vast.ai stopping an instance (spent credit, an ended contract) is not its machine's fault
+        report = HealthReport(host.name, healthy, reason, failures, blame=not reason.startswith("vast.ai stopped"))
         reports.append(report)
         if gone or failures >= ctx.settings.rotation.unhealthy_after_sweeps:
+            doomed.append((host, report))
+        elif host.contract_end_at is not None and as_utc(host.contract_end_at) <= ending:
+            # vast.ai stops the instance when its contract ends and never starts it again: move first
+            report.reason = f"its contract ends at {as_utc(host.contract_end_at):%Y-%m-%d %H:%M} UTC"
+            report.blame = False
             doomed.append((host, report))
     limit = asyncio.Semaphore(ctx.settings.rotation.max_concurrent_replacements)
 
     async def replace_one(host: Host, report: HealthReport) -> None:
         async with limit:
-            new = await replace(ctx, host, f"unhealthy: {report.reason}", blacklist=True)
+            why = report.reason if report.healthy else f"unhealthy: {report.reason}"
+            new = await replace(ctx, host, why, blacklist=report.blame)
             report.replaced_by = new.name if new else None
 
     await asyncio.gather(*(replace_one(h, r) for h, r in doomed))
@@ -157,7 +169,12 @@ async def _replace(
 ) -> Host | None:
     ctx.record.event("intent", "replace", json.dumps({"reason": reason}), old.id)
     ctx.reporter.info(old.name, f"replacing ({reason})")
-    result = await up(ctx, UpRequest(old.model, old.region, 1, max_effective_price=max_effective_price))
+    try:
+        result = await up(ctx, UpRequest(old.model, old.region, 1, max_effective_price=max_effective_price))
+    except CreditSpent as e:
+        ctx.record.event("error", "replace", json.dumps({"reason": reason, "failed": str(e)}), old.id)
+        ctx.reporter.info(old.name, f"no replacement: {e}")
+        return None
     if not result.ready:
         why = "; ".join(result.failures) or "no host came up"
         ctx.record.event("error", "replace", json.dumps({"reason": reason, "failed": why}), old.id)

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from fleet.context import Context
-from fleet.core.models import LIVE_STATES, Host, utcnow
+from fleet.core.models import LIVE_STATES, Host, as_utc, utcnow
 from fleet.economics.bill import accrued_usd
 from fleet.economics.machines import MachineRecord, remember
 from fleet.economics.report import Session, gather
@@ -52,6 +52,7 @@ def host_summary(h: Host) -> dict[str, Any]:
         "created_at": h.created_at.isoformat(),
         "ready_at": h.ready_at.isoformat() if h.ready_at else None,
         "destroyed_at": h.destroyed_at.isoformat() if h.destroyed_at else None,
+        "contract_end_at": as_utc(h.contract_end_at).isoformat() if h.contract_end_at else None,
         "failed_phase": h.failed_phase,
         "failure_reason": h.failure_reason,
     }

@@ -14,14 +14,14 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from fleet.context import Context
 from fleet.control import offers
 from fleet.control.standby import from_pool
 from fleet.core import failpoints
 from fleet.core.config import Profile
-from fleet.core.models import LABEL_PREFIX, Host, HostState, utcnow
+from fleet.core.models import Host, HostState, utcnow
 from fleet.core.record import CapReached
 from fleet.economics import offers as offer_rules
 from fleet.host import profile as profiles
@@ -30,7 +30,7 @@ from fleet.host.bringup import BringUp
 from fleet.host.endpoints import publish_endpoints
 from fleet.host.ops import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
-from fleet.market import Offer, OfferGone
+from fleet.market import AuthError, CreditSpent, Offer, OfferGone
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,29 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
     run_id = secrets.token_hex(4)
     result = UpResult(run_id=run_id)
     await profiles.check_template(ctx, profile)
+    ctx.settings.provider.image_login()  # a private image's token is at hand before anything is rented
     funnel = await offers.search(ctx, request.model, request.region, request.max_price, exclude_unusable=True)
-    ranked = [offer for offer, _ in offers.rank(ctx, profile, funnel.passed, request.by_price)]
+    ranked = [offer for offer, _ in offers.rank(ctx, profile, funnel.passed, request.by_price, funnel.pull_gb)]
     if request.dry_run:
         result.planned = ranked[: max(request.count, 1) * ctx.settings.up.max_attempts]
         return result
     async with ctx.waits.on("market"):
-        await ctx.market.ensure_ssh_key(ctx.ssh_key.public)
+        credit = await ctx.market.credit()
+        if credit is not None and credit <= 0:
+            raise CreditSpent(
+                f"the account's credit is spent (${credit:.2f}): vast.ai rents nothing and stops every instance "
+                "until it is topped up; nothing was created"
+            )
+        try:
+            await ctx.market.ensure_ssh_key(ctx.ssh_key.public)
+        except AuthError as e:
+            # a scoped key without user_write (POST /ssh/) may still attach a key to an instance it made
+            ctx.key_per_instance = True
+            ctx.reporter.info(
+                "fleet",
+                f"the API key may not add an SSH key to the account (it needs user_write: {e}); "
+                "fleet's key goes to each instance instead (instance_write)",
+            )
     if request.max_effective_price is not None:
         cap = request.max_effective_price
         ranked = [o for o in ranked if offer_rules.effective_price_per_hour(o, profile) <= cap]
@@ -208,7 +224,7 @@ async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request:
         region=request.region,
         state=HostState.CREATING,
         provider_url=ctx.market.url,
-        label=f"{LABEL_PREFIX}{name}",
+        label=f"{ctx.label_prefix}{name}",
         offer_id=offer.id,
         machine_id=offer.machine_id,
         gpu_name=offer.gpu_name,
@@ -220,6 +236,8 @@ async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request:
         inet_down_usd_per_gb=offer.inet_down_usd_per_gb,
         effective_usd_per_hour=offer_rules.effective_price_per_hour(offer, profile),
         storage_usd_per_hour=offer_rules.storage_price_per_hour(offer),
+        contract_end_at=datetime.fromtimestamp(offer.end_date, UTC) if offer.end_date else None,
+        inet_down_mbps=offer.inet_down_mbps,
         slots=profile.slots,
         owner=ctx.owner,
         lease_until=utcnow() + timedelta(seconds=ctx.settings.up.lease_s),

@@ -38,6 +38,10 @@ class Provider(Strict):
     # How long one request to the marketplace may take. A create that times out is never sent again: its
     # instance, if any, is found by its label.
     request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
+    # A private image: the registry user, and the environment variable holding its token (vast.ai pulls
+    # with `-u USER -p TOKEN REGISTRY`; the token goes only into the create call, never into a log).
+    registry_user: Annotated[str, Field(pattern=r"^[^\s]*$", max_length=256)] = ""
+    registry_token_env: str = "FLEET_REGISTRY_TOKEN"
 
     @field_validator("url")
     @classmethod
@@ -49,6 +53,20 @@ class Provider(Strict):
     @property
     def is_local(self) -> bool:
         return self.url == LOCAL
+
+    def image_login(self) -> str | None:
+        """The create call's `image_login` for a private image (None for a public one): the registry is the
+        image's first part when it names a host, else Docker Hub."""
+        if not self.registry_user:
+            return None
+        token = os.environ.get(self.registry_token_env, "")
+        if not token or any(c.isspace() for c in token):
+            raise ConfigError(
+                f"provider.registry_user is set: ${self.registry_token_env} must hold the registry's token (no spaces)"
+            )
+        first = self.image.split("/", 1)[0]
+        registry = first if "/" in self.image and ("." in first or ":" in first) else "docker.io"
+        return f"-u {self.registry_user} -p {token} {registry}"
 
 
 class Hub(Strict):
@@ -86,6 +104,11 @@ class Filters(Strict):
     min_direct_ports: Annotated[int, Field(ge=0)] = 2
     max_inet_usd_per_gb: Annotated[float, Field(ge=0)] = 0.05
     verified_only: bool = True
+    # vast.ai stops an instance when its machine's contract ends: an offer must run at least this long
+    min_contract_hours: Annotated[float, Field(ge=0)] = 48
+    # a 15-20 GB pull at 128 Mbit/s takes about 20 minutes (dstack asks for inet_down > 128)
+    min_inet_down_mbps: Annotated[float, Field(ge=0)] = 128
+    search_limit: Annotated[int, Field(ge=1, le=10_000)] = 1000  # offers one search may answer
 
 
 class Timeouts(Strict):
@@ -97,6 +120,9 @@ class Timeouts(Strict):
     ssh: Annotated[float, Field(gt=0)] = 120
     pull: Annotated[float, Field(gt=0)] = 3600
     pull_stall: Annotated[float, Field(gt=0)] = 120  # a pull whose bytes stop growing this long fails then
+    # On a slow link the pull may take longer than `pull`: as long as the files need at this share of the
+    # download speed the offer advertised.
+    pull_speed_share: Annotated[float, Field(gt=0, le=1)] = 0.25
     load: Annotated[float, Field(gt=0)] = 600
     probes: Annotated[float, Field(gt=0)] = 600
     stop: Annotated[float, Field(gt=0)] = 300  # a standby host's stop, until the marketplace reads `stopped`
@@ -252,6 +278,10 @@ class Rotation(Strict):
     thermal_every_s: Annotated[float, Field(ge=0)] = 21600  # thermal re-probes of READY hosts (0: never)
     reprice_cron: str = "0 3 * * *"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
+    # a host whose machine's contract ends within this many hours is replaced (vast.ai stops it at the end)
+    contract_margin_hours: Annotated[float, Field(ge=0)] = 6
+    # the daemon warns when the account's credit lasts fewer hours than this at the current spend
+    credit_warn_hours: Annotated[float, Field(ge=0)] = 48
 
     @property
     def endpoints_path(self) -> Path:

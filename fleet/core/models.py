@@ -128,6 +128,10 @@ class Host(SQLModel, table=True):
     storage_usd_per_hour: float = 0.0
     stopped_hours: float = 0.0
     stopped_at: datetime | None = None
+    # vast.ai stops an instance when its rental contract ends (the offer's end_date at rental) and never
+    # starts it again: a host is replaced before then.
+    contract_end_at: datetime | None = None
+    inet_down_mbps: float = 0.0  # the link speed its offer advertised: the pull's deadline scales with it
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None
     replaces: int | None = Field(default=None, foreign_key="hosts.id")  # the host this one was brought up to replace
@@ -242,6 +246,15 @@ class JobRun(SQLModel, table=True):
     tick: int = Field(primary_key=True)
     daemon: str
     started_at: datetime = Field(default_factory=utcnow)
+
+
+class Install(SQLModel, table=True):
+    """This database's install of fleet (one row): its id is in the label of every instance it rents."""
+
+    __tablename__ = "install"
+
+    id: int | None = Field(default=None, primary_key=True)
+    install_id: str
 
 
 # fleet daemon's APScheduler job store lives in the same database. Its table is APScheduler's own

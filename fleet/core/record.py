@@ -25,6 +25,7 @@ from fleet.core.models import (
     Event,
     Host,
     HostState,
+    Install,
     JobRun,
     ProbeRun,
     sources_of,
@@ -321,6 +322,11 @@ class Record:
         with session(self.engine) as s:
             rows = s.exec(select(BenchRun).where(col(BenchRun.host_id).in_(host_ids)).order_by(col(BenchRun.id)))
             return {row.host_id: row for row in rows}
+
+    def install_id(self) -> str:
+        """This database's install of fleet (made by its migration): the labels of its instances carry it."""
+        with session(self.engine) as s:
+            return s.exec(select(Install.install_id)).one()
 
     def claim_tick(self, job: str, tick: int, daemon: str) -> bool:
         """True for the one caller that gets to run `job` at `tick`; the others find it taken."""

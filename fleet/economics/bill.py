@@ -1,6 +1,7 @@
-"""What a session cost: per host, the hours billed, the GPU rent and the traffic at the profile's expected
-rate (the host's effective $/h less its rent), and the total. `fleet destroy` ends with it, so a
-benchmark session closes with its numbers. Pure."""
+"""What a session cost: per host, the hours billed, the rent (the GPU while it runs; the disk while it loads
+and while it is stopped), the pull's traffic (every byte is billed, vast.ai's FAQ), the serving traffic at
+the profile's expected rate (the host's effective $/h less its rent), and the total. `fleet destroy` ends
+with it, so a benchmark session closes with its numbers. Pure."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from fleet.core.models import Host, as_utc, utcnow
+
+GB = 1e9  # vast.ai prices traffic in $/GB
 
 
 @dataclass(frozen=True)
@@ -17,8 +20,9 @@ class BillLine:
     geolocation: str
     hours: float
     standby_hours: float  # of those, stopped: the disk alone billed
-    rent_usd: float  # dph_total x running hours + the disk's $/h x stopped hours (the closed cost once destroyed)
-    traffic_usd: float  # the profile's expected GB/h at the machine's $/GB, x hours
+    rent_usd: float  # dph_total x running hours + the disk's $/h x the hours it loaded or was stopped
+    pull_usd: float  # the model files' bytes at the machine's download $/GB
+    traffic_usd: float  # the profile's expected GB/h at the machine's $/GB, x serving hours
     total_usd: float
 
 
@@ -46,11 +50,28 @@ def stopped_hours(host: Host, now: datetime | None = None) -> float:
     return host.stopped_hours + current
 
 
+def loading_hours(host: Host, now: datetime | None = None) -> float:
+    """Of the hours billed, those before its instance first ran (vast.ai bills no GPU while it loads)."""
+    end = host.running_at or host.destroyed_at or now or utcnow()
+    return max((as_utc(end) - as_utc(host.created_at)).total_seconds(), 0.0) / 3600
+
+
+def pull_usd(host: Host) -> float:
+    """What downloading its model files cost: vast.ai bills "every byte sent or received ... regardless of
+    what state it is in"."""
+    return (host.pulled_bytes or 0) / GB * host.inet_down_usd_per_gb
+
+
+def rent_usd(host: Host, now: datetime | None = None) -> float:
+    """The GPU's $/h while it runs; the disk's $/h while it loads and while it is stopped (vast.ai: "Disk
+    charges continue; no GPU charges"; "not charged during loading")."""
+    idle = min(stopped_hours(host, now) + loading_hours(host, now), hours_billed(host, now))
+    return host.dph_total * (hours_billed(host, now) - idle) + host.storage_usd_per_hour * idle
+
+
 def accrued_usd(host: Host, now: datetime | None = None) -> float:
-    """What the host's rent came to: its $/h while running, its disk's $/h while stopped (vast.ai: "Disk
-    charges continue; no GPU charges")."""
-    stopped = stopped_hours(host, now)
-    return host.dph_total * max(hours_billed(host, now) - stopped, 0.0) + host.storage_usd_per_hour * stopped
+    """What the marketplace bills for the host: its rent and its pull."""
+    return rent_usd(host, now) + pull_usd(host)
 
 
 def bill(hosts: list[Host], now: datetime) -> Bill:
@@ -58,9 +79,13 @@ def bill(hosts: list[Host], now: datetime) -> Bill:
     lines = []
     for h in hosts:
         hours = hours_billed(h, now)
-        rent = h.accrued_usd if h.accrued_usd is not None else accrued_usd(h, now)  # closed: what the record says
+        pull = pull_usd(h)
+        # closed: what the record says it came to
+        rent = h.accrued_usd - pull if h.accrued_usd is not None else rent_usd(h, now)
         standby = stopped_hours(h, now)
         # traffic at the profile's rate while it serves; a stopped host serves nothing
-        traffic = max(h.effective_usd_per_hour - h.dph_total, 0.0) * max(hours - standby, 0.0)
-        lines.append(BillLine(h.name, h.gpu_name, h.geolocation, hours, standby, rent, traffic, rent + traffic))
+        serving = max(hours - standby - loading_hours(h, now), 0.0)
+        traffic = max(h.effective_usd_per_hour - h.dph_total, 0.0) * serving
+        total = rent + pull + traffic
+        lines.append(BillLine(h.name, h.gpu_name, h.geolocation, hours, standby, rent, pull, traffic, total))
     return Bill(lines, sum(line.total_usd for line in lines))

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from fleet.core.config import Filters, Profile
 from fleet.market import Offer, OfferQuery
 
+# The hours a host is expected to serve before it is replaced (the nightly reprice): what a bring-up costs once
+# (its pull, its hours before READY) is spread over them.
+HOST_LIFETIME_H = 24.0
+GB = 1e9  # vast.ai prices traffic in $/GB
+
 
 @dataclass(frozen=True)
 class Criteria:
@@ -22,6 +27,9 @@ class Criteria:
     min_gpu_ram_gb: float
     max_usd_per_hour: float | None = None
     excluded_machines: frozenset[int] = frozenset()
+    compute_caps: tuple[int, ...] = ()  # the cards the engine's build runs (empty: any)
+    contract_ends_after: float = 0.0  # epoch s: an offer's contract must outlast this
+    pull_gb: float = 0.0  # the profile's files: every bring-up downloads them, at the offer's $/GB
 
 
 @dataclass
@@ -32,10 +40,21 @@ class Funnel:
     offers: list[Offer] = field(default_factory=list)  # everything the marketplace returned
     removed: list[tuple[str, int]] = field(default_factory=list)
     passed: list[Offer] = field(default_factory=list)
+    limit: int | None = None  # the most offers the search could answer
+    pull_gb: float = 0.0  # what a bring-up downloads: ranked at each offer's $/GB
+    asked: str = ""  # the filters the marketplace applied before answering
+
+    @property
+    def truncated(self) -> bool:
+        """The answer filled the search's window: cheaper-first, so dearer offers that pass went unseen."""
+        return self.limit is not None and self.seen >= self.limit
 
     def as_dict(self) -> dict[str, object]:
         return {
             "seen": self.seen,
+            "asked": self.asked,
+            "truncated": self.truncated,
+            "limit": self.limit,
             "removed": [{"filter": n, "count": c} for n, c in self.removed],
             "passed": len(self.passed),
         }
@@ -56,9 +75,25 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
     ]
     if f.verified_only:
         checks.append(("verified", lambda o: o.verified))
+    if c.compute_caps:
+        caps = "/".join(f"{cap / 100:g}" for cap in c.compute_caps)
+        checks.append(
+            (f"compute capability {caps} (the image's CUDA build)", lambda o: o.compute_cap in c.compute_caps)
+        )
+    if c.contract_ends_after:
+        checks.append(
+            (
+                f"contract runs >= {f.min_contract_hours:g} h",
+                lambda o: o.end_date is not None and o.end_date >= c.contract_ends_after,
+            )
+        )
+    if f.min_inet_down_mbps:
+        checks.append(
+            (f"download >= {f.min_inet_down_mbps:g} Mbit/s", lambda o: o.inet_down_mbps >= f.min_inet_down_mbps)
+        )
     checks.append(
         (
-            f"GPU memory >= {c.min_gpu_ram_gb:.2f} GB (plan)",
+            f"GPU memory >= {c.min_gpu_ram_gb:.2f} GiB (plan)",
             lambda o: o.gpu_ram_mb * o.num_gpus / 1024 >= c.min_gpu_ram_gb,
         )
     )
@@ -75,6 +110,17 @@ def effective_price_per_hour(offer: Offer, profile: Profile) -> float:
     return offer.dph_total + t.up * offer.inet_up_usd_per_gb + t.down * offer.inet_down_usd_per_gb
 
 
+def pull_usd(offer: Offer, pull_gb: float) -> float:
+    """What downloading the profile's files costs on this offer (vast.ai bills every byte received)."""
+    return pull_gb * offer.inet_down_usd_per_gb
+
+
+def expected_price_per_hour(offer: Offer, profile: Profile, pull_gb: float = 0.0) -> float:
+    """The effective $/h with the pull a bring-up there pays once, spread over a host's expected life: what
+    offers are ranked by."""
+    return effective_price_per_hour(offer, profile) + pull_usd(offer, pull_gb) / HOST_LIFETIME_H
+
+
 def storage_price_per_hour(offer: Offer) -> float:
     """What the profile's disk costs an hour on this offer: all a stopped instance bills. Search prices every
     offer for the disk asked (`allocated_storage`) and says it apart (`storage_total_cost`, $/h)."""
@@ -86,9 +132,10 @@ def storage_price_per_hour(offer: Offer) -> float:
     return price if math.isfinite(price) and price >= 0 else 0.0
 
 
-def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile) -> Funnel:
-    """Apply every filter in order, count what each removed, rank the rest by effective $/h."""
-    result = Funnel()
+def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query: OfferQuery | None = None) -> Funnel:
+    """Apply every filter in order, count what each removed, rank the rest by expected $/h (the pull
+    included). `query`, when given, is what the marketplace was asked: its window and its filters."""
+    result = Funnel(limit=query.limit if query else None, asked=asked(query) if query else "", pull_gb=criteria.pull_gb)
     remaining = list(offers)
     result.offers = list(remaining)
     result.seen = len(remaining)
@@ -96,13 +143,41 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile) -> Fun
         kept = [o for o in remaining if check(o)]
         result.removed.append((name, len(remaining) - len(kept)))
         remaining = kept
-    result.passed = sorted(remaining, key=lambda o: (effective_price_per_hour(o, profile), o.id))
+    result.passed = sorted(remaining, key=lambda o: (expected_price_per_hour(o, profile, criteria.pull_gb), o.id))
     return result
 
 
-def query_for(criteria: Criteria, profile: Profile) -> OfferQuery:
+def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> OfferQuery:
+    """What to ask the marketplace for: the pool, and (unless `pool_only`) every filter it understands, so
+    its window of `filters.search_limit` offers is not filled with offers fleet would refuse."""
+    f = criteria.filters
     return OfferQuery(
         countries=sorted(criteria.countries),
         min_gpu_ram_mb=int(criteria.min_gpu_ram_gb * 1024 / 8),  # the pool: a card of 8 GPUs could hold it
         allocated_disk_gb=profile.disk_gb,
+        limit=f.search_limit,
+        pool_only=pool_only,
+        min_reliability=f.min_reliability,
+        min_cuda=f.min_cuda,
+        min_disk_gb=f.min_disk_gb,
+        min_direct_ports=f.min_direct_ports,
+        max_inet_usd_per_gb=f.max_inet_usd_per_gb,
+        verified_only=f.verified_only,
+        compute_caps=criteria.compute_caps,
+        min_duration_s=f.min_contract_hours * 3600 if criteria.contract_ends_after else None,
+        min_inet_down_mbps=f.min_inet_down_mbps or None,
+        max_dph_total=criteria.max_usd_per_hour,
     )
+
+
+def asked(query: OfferQuery) -> str:
+    """The filters the marketplace applied, in a line."""
+    if query.pool_only:
+        return "region and GPU memory only (every other filter counted here)"
+    parts = ["region", "GPU memory", "reliability", "CUDA", "disk", "direct ports", "traffic $/GB"]
+    parts += ["verified"] if query.verified_only else []
+    parts += ["compute capability"] if query.compute_caps else []
+    parts += ["contract length"] if query.min_duration_s else []
+    parts += ["download speed"] if query.min_inet_down_mbps else []
+    parts += ["price"] if query.max_dph_total is not None else []
+    return ", ".join(parts)

@@ -16,12 +16,8 @@ from typing import Any
 
 from fleet.core.config import Profile
 from fleet.economics.machines import MachineRecord
-from fleet.economics.offers import effective_price_per_hour
+from fleet.economics.offers import HOST_LIFETIME_H, expected_price_per_hour
 from fleet.market import Offer
-
-# The hours a host is expected to serve before it is replaced (the nightly reprice): the time a
-# bring-up bills before READY is spread over them.
-HOST_LIFETIME_H = 24.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,11 @@ def _success(record: MachineRecord | None) -> float:
     return (record.ready + 1) / (record.ready + failures + 2) if failures else 1.0
 
 
-def expect(offer: Offer, profile: Profile, seen: dict[tuple[str, int], MachineRecord], provider: str) -> Expectation:
-    """What a host on this offer is expected to give, from what fleet measured."""
+def expect(
+    offer: Offer, profile: Profile, seen: dict[tuple[str, int], MachineRecord], provider: str, pull_gb: float = 0.0
+) -> Expectation:
+    """What a host on this offer is expected to give, from what fleet measured; `pull_gb` is what a
+    bring-up there downloads, at the offer's $/GB."""
     record = seen.get((provider, offer.machine_id))
     same_gpu = [
         m.capacity * min(m.thermal_share or 1.0, 1.0)
@@ -75,18 +74,26 @@ def expect(offer: Offer, profile: Profile, seen: dict[tuple[str, int], MachineRe
         source = "prior: the profile's slots"
     success = _success(record)
     to_ready_s = record.create_to_ready_s if record is not None else None
-    per_hour = effective_price_per_hour(offer, profile) * (1 + (to_ready_s or 0) / 3600 / HOST_LIFETIME_H)
+    per_hour = expected_price_per_hour(offer, profile, pull_gb) * (1 + (to_ready_s or 0) / 3600 / HOST_LIFETIME_H)
     cost = per_hour / (callers * 60 * success) if callers > 0 else float("inf")
     return Expectation(round(callers, 2), source, success, to_ready_s, cost)
 
 
 def rank(
-    offers: list[Offer], profile: Profile, seen: dict[tuple[str, int], MachineRecord], provider: str
+    offers: list[Offer],
+    profile: Profile,
+    seen: dict[tuple[str, int], MachineRecord],
+    provider: str,
+    pull_gb: float = 0.0,
 ) -> list[tuple[Offer, Expectation]]:
-    """The offers by expected $/voice-minute (ties: effective $/h, then the marketplace's order)."""
-    judged = [(o, expect(o, profile, seen, provider)) for o in offers]
+    """The offers by expected $/voice-minute (ties: expected $/h, then the marketplace's order)."""
+    judged = [(o, expect(o, profile, seen, provider, pull_gb)) for o in offers]
     order = {id(o): i for i, o in enumerate(offers)}
     return sorted(
         judged,
-        key=lambda oe: (oe[1].usd_per_voice_minute, effective_price_per_hour(oe[0], profile), order[id(oe[0])]),
+        key=lambda oe: (
+            oe[1].usd_per_voice_minute,
+            expected_price_per_hour(oe[0], profile, pull_gb),
+            order[id(oe[0])],
+        ),
     )

@@ -15,6 +15,13 @@ from typing import Any
 from fleet.core.config import Profile
 from fleet.engines import TEMPLATE_FILE
 
+# The CUDA architectures the host image's llama-server is built for (images/llama-server/Dockerfile's
+# CUDA_ARCHITECTURES; a test holds the two equal). An offer's card must be one of them: vast.ai gives its
+# compute capability x 100 (`compute_cap`: 860 an RTX 3090, 900 an H100); a V100 (700) would fail at start
+# after a pull paid at GPU price, and a card newer than the build runs only by JIT from PTX.
+CUDA_ARCHITECTURES = (80, 86, 89, 90, 100, 120)
+COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
+
 
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
     """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template

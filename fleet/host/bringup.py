@@ -32,7 +32,7 @@ from fleet.host.instance import wait_running, wait_stopped
 from fleet.host.measure import probe_host
 from fleet.host.ops import PhaseFailed
 from fleet.host.remote import RemoteError, connect
-from fleet.market import CreateFailed, Instance, InstanceSpec, MarketError, Offer, OfferGone
+from fleet.market import AuthError, CreateFailed, CreditSpent, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.plan.memory import card_problem
 from fleet.probes import ProbeResult
 from fleet.probes.thermal import sample_card
@@ -67,6 +67,7 @@ class BringUp:
     results: list[ProbeResult] = field(default_factory=list)
     standby: bool = False  # for the standby pool: stopped once probed, STANDBY instead of READY
     resume: bool = False  # a standby host started again: no create, no download (the pull verifies), then READY
+    pull_limit_s: float = 0.0  # timeouts.pull, or longer on a slow link (profile.pull_deadline)
 
     async def run(self) -> None:
         """Every phase in order, then READY (or, for the standby pool, stopped and STANDBY). Raises PhaseFailed
@@ -80,6 +81,8 @@ class BringUp:
                     raise Preempted(phase.name, self.host.state)
                 timeout = "standby_start" if self.resume and phase.name == "boot" else phase.timeout
                 limit = getattr(timeouts, timeout) if timeout else None
+                if phase.name == "pull" and not self.resume:
+                    limit = self.pull_limit_s = await profiles.pull_deadline(self.ctx, self.host, self.profile)
                 try:
                     async with asyncio.timeout(limit + GRACE_S if limit else None):
                         await phase.run(self)
@@ -130,6 +133,7 @@ class BringUp:
             label=host.label,
             env={},
             ports=[SERVICE_PORT],
+            image_login=ctx.settings.provider.image_login(),
         )
         ctx.reporter.info(
             host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
@@ -145,6 +149,10 @@ class BringUp:
         except OfferGone:
             ctx.record.event("answer", "create", "offer gone", host.id)
             raise
+        except CreditSpent as e:
+            # the account's doing: no machine would rent, none is to blame
+            ctx.record.event("answer", "create", json.dumps({"error": str(e)}), host.id)
+            raise PhaseFailed("create", str(e), blacklist=False, retry=False) from None
         except CreateFailed as e:
             # vast.ai may have made the contract despite the error: destroy what it names, or what carries
             # our label once its reads catch up. The machine did nothing wrong: next offer, no blacklist.
@@ -159,11 +167,24 @@ class BringUp:
         failpoints.reach("create_answered")  # bought, and the id not yet recorded: only the label knows it
         ctx.record.update(host, instance_id=instance_id)
         ctx.record.event("answer", "create", json.dumps({"instance_id": instance_id}), host.id)
+        if ctx.key_per_instance:
+            try:
+                async with ctx.waits.on("market"):
+                    await ctx.market.attach_ssh_key(instance_id, ctx.ssh_key.public)
+            except AuthError as e:
+                raise PhaseFailed(
+                    "create",
+                    f"the API key may add fleet's SSH key neither to the account (user_write) nor to the instance "
+                    f"(instance_write): {e}",
+                    blacklist=False,
+                    retry=False,
+                ) from None
         ctx.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
 
     async def boot(self) -> None:
         self.instance = await wait_running(self.ctx, self.host, resuming=self.resume)
-        self.ctx.record.update(self.host, running_at=utcnow())
+        if self.host.running_at is None:  # the first time it ran: the GPU bills from here (economics/bill.py)
+            self.ctx.record.update(self.host, running_at=utcnow())
 
     async def connect(self) -> None:
         assert self.instance is not None
@@ -207,7 +228,7 @@ class BringUp:
                 ctx.hub_url,
                 os.environ.get(ctx.settings.hub.token_env, ""),
                 ctx.settings.up.pull_connections,
-                ctx.settings.timeouts.pull,
+                self.pull_limit_s,
                 progress,
                 ctx.settings.timeouts.pull_stall,
             )

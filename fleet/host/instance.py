@@ -11,11 +11,12 @@ from fleet.core.config import Timeouts
 from fleet.core.models import Host
 from fleet.engines import SERVICE_PORT
 from fleet.host.ops import PhaseFailed
-from fleet.market import FAILED, HEARTBEAT_LOST, Instance
+from fleet.market import HEARTBEAT_LOST, Instance
 
 
 async def wait_stopped(ctx: Context, host: Host) -> None:
-    """Wait, on the shared listing, until the instance reads `stopped` (the caller bounds the wait)."""
+    """Wait, on the shared listing, until the instance reads stopped as asked (vast.ai shows it `exited` with
+    `stopped` intended; the caller bounds the wait)."""
     assert host.instance_id is not None
     generation = 0
     async with ctx.watch.watching(host.instance_id):
@@ -24,10 +25,12 @@ async def wait_stopped(ctx: Context, host: Host) -> None:
                 snapshot = await ctx.watch.next(generation)
             generation = snapshot.generation
             instance = snapshot.instances.get(host.instance_id)
-            if instance is not None and instance.status == "stopped":
+            if instance is None:
+                continue
+            if instance.stopped:
                 return
-            if instance is not None and instance.status in ("exited", "frozen"):
-                raise PhaseFailed("stop", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
+            if instance.status == "frozen":
+                raise PhaseFailed("stop", f"instance is frozen: {instance.status_msg or 'no message'}")
 
 
 async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Instance:
@@ -35,9 +38,10 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
 
     Tolerated: not listed yet (vast.ai's reads lag create, up to timeouts.instance_visible) and a late
     heartbeat (`offline`/`unknown`, up to timeouts.heartbeat_gap). Fails fast on a container that cannot
-    start, on a failed state, and on an instance that was listed and then is not. `resuming`: a standby
-    instance just asked to start, which may still read `stopped` and then wait in `scheduling` for its
-    machine's GPU: bounded by timeouts.standby_start instead."""
+    start, on an image that cannot be pulled (that one stops the bring-up: no machine would do better), on a
+    start the platform gave up, on a failed state, and on an instance that was listed and then is not.
+    `resuming`: a standby instance just asked to start, which may still read stopped and then wait in
+    `scheduling` for its machine's GPU: bounded by timeouts.standby_start instead."""
     assert host.instance_id is not None
     timeouts: Timeouts = ctx.settings.timeouts
     started = time.monotonic()
@@ -66,10 +70,21 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
                 take_instance_price(ctx, host, instance)
             if instance.status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
                 return instance
+            if error := instance.image_error():
+                # the same on every machine: our image's name, or its registry's login, is wrong
+                raise PhaseFailed(
+                    "boot",
+                    f"the image {ctx.settings.provider.image} cannot be pulled: {error}",
+                    blacklist=False,
+                    retry=False,
+                )
             if error := instance.boot_error():
                 raise PhaseFailed("boot", f"the container cannot start: {error}")
-            if instance.status in FAILED and not (resuming and instance.status == "stopped"):
+            if why := instance.abandoned():
+                raise PhaseFailed("boot", f"vast.ai gave up starting it: {why}")
+            if instance.down and not resuming:
                 raise PhaseFailed("boot", f"instance is {instance.status}: {instance.status_msg or 'no message'}")
+            # resuming: the instance reads stopped (exited) until the platform schedules its start
             if instance.status in HEARTBEAT_LOST:
                 lost_since = lost_since or now
                 if now - lost_since > timeouts.heartbeat_gap:

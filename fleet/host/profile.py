@@ -7,6 +7,7 @@ import os
 
 from fleet.context import Context
 from fleet.core.config import Profile
+from fleet.core.models import Host
 from fleet.plan import gguf
 from fleet.plan.gguf import GgufHeader
 from fleet.plan.memory import MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
@@ -80,3 +81,14 @@ async def check_template(ctx: Context, profile: Profile) -> Renderings | None:
     if reason is not None:
         raise chat_templates.TemplateError(reason)
     return result
+
+
+async def pull_deadline(ctx: Context, host: Host, profile: Profile) -> float:
+    """How long the pull may take: timeouts.pull, or longer where the profile's files need longer at
+    timeouts.pull_speed_share of the link the host's offer advertised (vast.ai: loading "can take hours
+    with slow internet")."""
+    t = ctx.settings.timeouts
+    if host.inet_down_mbps <= 0:
+        return t.pull
+    size = (await plan(ctx, profile.name)).file_bytes
+    return max(t.pull, size / (host.inet_down_mbps * 1e6 / 8 * t.pull_speed_share))

@@ -75,13 +75,15 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                     response.headers.update(refusal.headers)
                     return response
             if api and not path.startswith(PUBLIC_PATHS):
-                _check_auth(request, cloud.api_key)
+                _check_auth(request, cloud.api_key, cloud.faults.scoped_keys)
             late = path.startswith("/api/") and cloud.dice.fire(cloud.faults.slow, path)
             response = await handler(request)
             if late and cloud.faults.slow is not None:
                 await asyncio.sleep(cloud.faults.slow.delay_s)
             return response
         except ApiError as e:
+            if isinstance(e.body, str):
+                return web.Response(status=e.status, text=e.body, content_type="text/plain")
             return json_response(e.body, e.status)
         except web.HTTPException as e:
             if not api:
@@ -148,6 +150,10 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def ssh_add(request: web.Request) -> web.Response:
         return json_response({"success": True, "key": cloud.add_ssh_key(await read_json(request))})
 
+    async def ssh_attach(request: web.Request) -> web.Response:
+        cloud.attach_ssh_key(_int_param(request, "id"), await read_json(request))
+        return json_response({"success": True, "msg": "SSH key attached successfully"})
+
     async def ssh_delete(request: web.Request) -> web.Response:
         cloud.delete_ssh_key(_int_param(request, "id"))
         return json_response({"success": True})
@@ -196,6 +202,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("GET", "/api/v0/ssh/", ssh_list)
     both("POST", "/api/v0/ssh/", ssh_add)
     both("DELETE", "/api/v0/ssh/{id}/", ssh_delete)
+    both("POST", "/api/v0/instances/{id}/ssh/", ssh_attach)
     both("GET", "/api/v0/gpu_names/unique/", gpu_names)
     r.add_get("/health", health)  # the local cloud's own liveness, outside the faulted API
     both("GET", "/admin/faults", admin_faults_get)
@@ -218,12 +225,36 @@ def _identity(request: web.Request) -> tuple[str, str]:
     return request.headers.get("Authorization", ""), request.query.get("api_key", "")
 
 
-def _check_auth(request: web.Request, api_key: str) -> None:
+# The permission each endpoint needs of a scoped key (vast-cli's scripts/data/api_scopes.json; the docs'
+# permissions page). The account's own key has them all.
+PERMISSIONS = {
+    ("PUT", "/api/v0/asks/{id}/"): "instance_write",
+    ("GET", "/api/v1/instances/"): "instance_read",
+    ("GET", "/api/v0/instances/{id}/"): "instance_read",
+    ("PUT", "/api/v0/instances/{id}/"): "instance_write",
+    ("DELETE", "/api/v0/instances/{id}/"): "instance_write",
+    ("POST", "/api/v0/instances/{id}/ssh/"): "instance_write",
+    ("GET", "/api/v0/users/current"): "user_read",
+    ("GET", "/api/v0/ssh/"): "user_read",
+    ("POST", "/api/v0/ssh/"): "user_write",
+    ("DELETE", "/api/v0/ssh/{id}/"): "user_write",
+    ("GET", "/api/v0/charges/"): "billing_read",
+}
+
+
+def _check_auth(request: web.Request, api_key: str, scoped: dict[str, list[str]]) -> None:
     header = request.headers.get("Authorization")
     key = request.query.get("api_key")
     if header:
         key = header[7:] if header.startswith("Bearer ") else header
     if key is None:
         raise ApiError(403, "auth_error", "This action requires login.")
-    if not secrets.compare_digest(key.encode(), api_key.encode()):
+    if secrets.compare_digest(key.encode(), api_key.encode()):
+        return
+    granted = next((perms for k, perms in scoped.items() if secrets.compare_digest(key.encode(), k.encode())), None)
+    if granted is None:
         raise ApiError(401, "auth_error", "Invalid user key")
+    route = _route(request)
+    needed = PERMISSIONS.get((request.method, route)) or PERMISSIONS.get((request.method, route.rstrip("/") + "/"))
+    if needed is not None and needed not in granted:
+        raise ApiError(401, "permission_denied", f"This API key lacks the {needed} permission")

@@ -12,6 +12,9 @@ from fleet.localcloud.apierror import ApiError
 STARTING_CREDIT_USD = 100.0
 
 
+GB = 1e9  # vast.ai prices traffic in $/GB
+
+
 @dataclass
 class Charge:
     instance_id: int
@@ -19,20 +22,36 @@ class Charge:
     start: float
     end: float | None
     dph_total: float
-    kind: str = "gpu"  # gpu: the whole hourly price while it runs; storage: the disk alone while stopped
+    # gpu: the whole hourly price while it runs; storage: the disk alone while it loads or is stopped;
+    # bandwidth: every byte received and sent, at the offer's $/GB, "regardless of what state it is in"
+    kind: str = "gpu"
+    bytes_down: int = 0
+    bytes_up: int = 0
+    usd_per_gb_down: float = 0.0
+    usd_per_gb_up: float = 0.0
 
     def amount(self, now: float) -> float:
+        if self.kind == "bandwidth":
+            return (self.bytes_down * self.usd_per_gb_down + self.bytes_up * self.usd_per_gb_up) / GB
         return self.dph_total * ((self.end or now) - self.start) / 3600.0
 
 
-def credit(charges: list[Charge], now: float) -> float:
-    return STARTING_CREDIT_USD - sum(c.amount(now) for c in charges)
+def bandwidth(charges: list[Charge], instance_id: int) -> Charge | None:
+    return next((c for c in charges if c.instance_id == instance_id and c.kind == "bandwidth"), None)
 
 
-def close_open(charges: list[Charge], instance_id: int, now: float) -> None:
-    """End every charge of the instance still running (a stop, a start, a destroy)."""
+def credit(charges: list[Charge], now: float, starting_usd: float | None = None) -> float:
+    """What the account has left: its starting credit less every charge so far."""
+    start = STARTING_CREDIT_USD if starting_usd is None else starting_usd
+    return start - sum(c.amount(now) for c in charges)
+
+
+def close_open(
+    charges: list[Charge], instance_id: int, now: float, kinds: tuple[str, ...] = ("gpu", "storage")
+) -> None:
+    """End the instance's charges of these kinds still running (a stop, a start; a destroy ends all)."""
     for charge in charges:
-        if charge.instance_id == instance_id and charge.end is None:
+        if charge.instance_id == instance_id and charge.end is None and charge.kind in kinds:
             charge.end = now
 
 
@@ -48,6 +67,11 @@ def charges_page(charges: list[Charge], select_filters: dict[str, Any]) -> dict[
         if end < float(day["gte"]) or c.start > float(day["lte"]):
             continue
         hours = (end - c.start) / 3600.0
+        what = (
+            f"{c.bytes_down + c.bytes_up} bytes at ${c.usd_per_gb_down:.4f}/GB down, ${c.usd_per_gb_up:.4f}/GB up"
+            if c.kind == "bandwidth"
+            else f"{hours:.3f} hours at ${c.dph_total:.4f}/hour"
+        )
         results.append(
             {
                 "start": c.start,
@@ -60,7 +84,7 @@ def charges_page(charges: list[Charge], select_filters: dict[str, Any]) -> dict[
                 "items": [
                     {
                         "type": c.kind,
-                        "description": f"{hours:.3f} hours at ${c.dph_total:.4f}/hour",
+                        "description": what,
                         "amount": c.amount(now),
                     }
                 ],

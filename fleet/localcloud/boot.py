@@ -11,7 +11,8 @@ import logging
 import time
 from pathlib import Path
 
-from fleet.localcloud import network, procs
+from fleet.localcloud import billing, network, procs
+from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import Faults
 from fleet.localcloud.hosts import HostError, LocalHost
 from fleet.localcloud.instances import Instance
@@ -33,6 +34,24 @@ class Booting:
 
     def save(self) -> None:
         raise NotImplementedError
+
+    def credit(self) -> float:
+        raise NotImplementedError
+
+    def count_traffic(self, instance_id: int, down: int = 0, up: int = 0) -> None:
+        raise NotImplementedError
+
+    async def _stop(self, inst: Instance) -> None:
+        raise NotImplementedError
+
+    def _platform_stop_reason(self, inst: Instance) -> str | None:
+        """Why vast.ai stops a running instance on its own now: its contract ended, or the credit is spent."""
+        end = inst.offer.get("end_date")
+        if isinstance(end, int | float) and time.time() >= end:
+            return "expired"
+        if self.credit() <= 0:
+            return "credit balance is zero"
+        return None
 
     async def _forget(self, instance_id: int) -> None:
         raise NotImplementedError
@@ -69,6 +88,15 @@ class Booting:
             await asyncio.sleep(third)
             if inst.id not in self.state.instances:
                 return
+        if inst.pull_error:
+            # the registry refused the pull: the container stays `created` saying why; a moment later the
+            # platform gives up (`stopped` intended), as vast.ai abandons a start
+            self._set_status(inst, "created", inst.pull_error)
+            await asyncio.sleep(third)
+            if inst.id in self.state.instances:
+                inst.intended_status = "stopped"
+                self.save()
+            return
         if inst.machine_id in self.faults.oci_error:
             self._set_status(
                 inst,
@@ -95,6 +123,8 @@ class Booting:
             await net.stop()
             return
         inst.running_at = time.time()
+        billing.close_open(self.state.charges, inst.id, inst.running_at)  # the disk's charge while it loaded
+        self.state.charges.append(Charge(inst.id, inst.label, inst.running_at, None, inst.dph_total))
         self._set_status(inst, "running", f"success, running {inst.image}/{'ssh' if inst.ssh_mode else 'args'}")
         watch = asyncio.get_running_loop().create_task(self._watch(inst), name=f"watch-{inst.id}")
         self._tasks.setdefault(inst.id, []).append(watch)
@@ -138,7 +168,9 @@ class Booting:
                 mappings.append(
                     network.Mapping(network.PROXY_HOST, inst.ssh_port, inst.private_ip, inst.internal_ssh_port)
                 )
-            self._networks[inst.id] = network.HostNetwork(mappings)
+            self._networks[inst.id] = network.HostNetwork(
+                mappings, lambda down, up, i=inst.id: self.count_traffic(i, down, up)
+            )
         return self._networks[inst.id]
 
     async def _watch(self, inst: Instance) -> None:
@@ -146,6 +178,17 @@ class Booting:
         period = 0.1
         while inst.id in self.state.instances and inst.status == "running":
             running_for = time.time() - (inst.running_at or time.time())
+            ended = self._platform_stop_reason(inst)
+            if ended:
+                # vast.ai stops it, not destroys it: "Whenever your credit balance hits zero or below, your
+                # instances will be stopped automatically"; "When the rental end date is reached, the rental
+                # contract expires and the instance is stopped"
+                inst.intended_status = "stopped"
+                inst.expired = inst.expired or ended == "expired"
+                await self._stop(inst)
+                inst.status_msg = f"Instance stopped: {ended}"
+                self.save()
+                return
             exit_after = self.faults.exit_after_s.get(inst.machine_id)
             if exit_after is not None and running_for >= exit_after:
                 await asyncio.to_thread(self.host_for(inst).stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +13,18 @@ from fleet.localcloud import query
 HOURS_PER_MONTH = 30 * 24
 
 
-def load_offers(directory: Path) -> list[dict[str, Any]]:
-    """Every offer of every JSON file in `directory`; ids are unique across files."""
+def load_offers(directory: Path, now: float | None = None) -> list[dict[str, Any]]:
+    """Every offer of every JSON file in `directory`; ids are unique across files. A snapshot's contracts
+    keep the time they had left when it was taken (`duration`, seconds): their end is set that far from now."""
+    loaded = time.time() if now is None else now
     offers: dict[int, dict[str, Any]] = {}
     for path in sorted(directory.glob("*.json")):
         rows = json.loads(path.read_text())
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of offers")
         for row in rows:
+            if isinstance(row.get("duration"), int | float):
+                row["end_date"] = loaded + float(row["duration"])
             offers.setdefault(int(row["id"]), row)
     return list(offers.values())
 
@@ -27,6 +32,8 @@ def load_offers(directory: Path) -> list[dict[str, Any]]:
 def priced(offer: dict[str, Any], allocated_storage_gb: float) -> dict[str, Any]:
     """The offer as search returns it for a disk of `allocated_storage_gb` (vast.ai's pricing)."""
     row = copy.deepcopy(offer)
+    if isinstance(row.get("end_date"), int | float):
+        row["duration"] = max(float(row["end_date"]) - time.time(), 0.0)  # what its contract has left
     disk_hour = row.get("storage_cost", 0.0) / HOURS_PER_MONTH * allocated_storage_gb
     total = row.get("dph_base", 0.0) + disk_hour
     row["storage_total_cost"] = disk_hour
@@ -86,7 +93,8 @@ def search(
         rented = bool(taken & set(offer.get("gpu_ids") or []))
         row = priced(offer, storage)
         row["rented"] = rented
-        row["rentable"] = bool(offer.get("rentable", True)) and not rented
+        expired = row.get("duration") is not None and row["duration"] <= 0
+        row["rentable"] = bool(offer.get("rentable", True)) and not rented and not expired
         row["is_bid"] = query.OFFER_TYPES[kind] == "bid"
         if query.matches(_filterable(row), filters):
             rows.append(row)

@@ -19,16 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from fleet.localcloud import billing, catalog, network, query, rows
-from fleet.localcloud.apierror import ApiError
+from fleet.localcloud.apierror import MESSAGE_ONLY, NO_SUCCESS, TEXT, ApiError
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
 from fleet.localcloud.hosts import LocalHost
-from fleet.localcloud.instances import Instance, parse_create
+from fleet.localcloud.hub import Link
+from fleet.localcloud.instances import Instance, parse_create, pull_error
 from fleet.localcloud.power import Power
 from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
 from fleet.localcloud.state import CloudSettings, load_state, save_state, write_json_atomic
 
 log = logging.getLogger("fleet.localcloud")
+
+SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-\S+) [A-Za-z0-9+/=]+( .*)?$")
 
 __all__ = ["ApiError", "Cloud", "CloudSettings"]
 
@@ -110,6 +113,7 @@ class Cloud(Power):
     # ---- instances ----------------------------------------------------------------------
     def create(self, offer_id: int, body: dict[str, Any]) -> int:
         asked = parse_create(offer_id, body)
+        self.refuse_without_credit(offer_id)
         gone = ApiError(
             404,
             "invalid_args",
@@ -125,7 +129,8 @@ class Cloud(Power):
         if offer is None:
             raise gone
         taken = self.taken_gpu_ids().get(int(offer["machine_id"]), set())
-        if taken & set(offer.get("gpu_ids") or []) or not offer.get("rentable", True):
+        ended = isinstance(offer.get("end_date"), int | float) and offer["end_date"] <= time.time()
+        if taken & set(offer.get("gpu_ids") or []) or not offer.get("rentable", True) or ended:
             raise ApiError(
                 410,
                 "no_such_ask",
@@ -157,9 +162,26 @@ class Cloud(Power):
             ssh_port=network.free_port(network.PROXY_HOST),
             ports={key: network.free_port() for key in asked.container_ports},
             authorized_keys=[k["public_key"] for k in self.state.ssh_keys if not k.get("deleted_at")],
+            pull_error=pull_error(
+                asked.image, asked.image_login, self.faults.missing_images, self.faults.private_images
+            ),
         )
         self.state.instances[instance_id] = inst
-        self.state.charges.append(Charge(instance_id, asked.label, inst.created_at, None, inst.dph_total))
+        # the disk bills from create; the GPU only once it runs (vast.ai: "not charged during loading")
+        disk = float(priced.get("storage_total_cost") or 0.0)
+        self.state.charges.append(Charge(instance_id, asked.label, inst.created_at, None, disk, kind="storage"))
+        self.state.charges.append(
+            Charge(
+                instance_id,
+                asked.label,
+                inst.created_at,
+                None,
+                0.0,
+                kind="bandwidth",
+                usd_per_gb_down=float(priced.get("inet_down_cost") or 0.0),
+                usd_per_gb_up=float(priced.get("inet_up_cost") or 0.0),
+            )
+        )
         self.save()
         self.start_host(inst)
         log.info("created instance %s on offer %s (machine %s)", instance_id, offer_id, inst.machine_id)
@@ -179,12 +201,16 @@ class Cloud(Power):
         return now - inst.created_at >= self.settings.read_lag_s
 
     def get(self, instance_id: int) -> dict[str, Any] | None:
-        """Show one instance. Not there (unknown, destroyed, or not yet visible): `{"instances": null}`
-        or a 404, as vast.ai answers either."""
+        """Show one instance. Not yet visible: `{"instances": null}` or a 404. Destroyed: each form vast.ai
+        answers, by id: null, a 404, or its last row saying `destroyed` (vast-cli's fixtures and self-test)."""
         inst = self.state.instances.get(instance_id)
         if inst is not None and self._visible(inst, time.time()):
             return self.row(inst, time.time())
-        if instance_id % 2 and (inst is not None or instance_id in self.state.destroyed):
+        if instance_id in self.state.destroyed:
+            if instance_id % 3 == 1:
+                raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
+            return self.state.destroyed_rows.get(instance_id)
+        if instance_id % 2 and inst is not None:
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
         return None
 
@@ -220,13 +246,17 @@ class Cloud(Power):
         if "state" in body:
             if body["state"] not in ("running", "stopped"):
                 raise ApiError(400, "invalid_args", "Invalid args: state must be running or stopped")
+            if body["state"] == "running" and inst.intended_status != "running":
+                self.refuse_without_credit()
+                if inst.expired:
+                    raise ApiError(400, "invalid_args", f"Instance {instance_id} has expired and cannot restart.")
             self.set_state(inst, body["state"])
             return {"success": True}
         raise ApiError(400, "invalid_args", "Invalid args: nothing to change")
 
     async def destroy(self, instance_id: int) -> None:
         if instance_id not in self.state.instances:
-            raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
+            raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.", shape=NO_SUCCESS)
         await self._forget(instance_id)
 
     async def _forget(self, instance_id: int) -> None:
@@ -235,6 +265,14 @@ class Cloud(Power):
         if inst is None:
             return
         self.state.destroyed.append(instance_id)
+        if instance_id % 3 == 2:  # show goes on answering its last row, saying it is destroyed
+            gone = {"actual_status": "destroyed", "intended_status": "destroyed", "next_state": "destroyed"}
+            self.state.destroyed_rows[instance_id] = {
+                **self.row(inst, time.time()),
+                **gone,
+                "cur_state": "unloaded",
+                "ports": None,
+            }
         for task in self._tasks.pop(instance_id, []):
             if task is not asyncio.current_task() and task.get_name().startswith("watch-"):
                 task.cancel()
@@ -243,7 +281,7 @@ class Cloud(Power):
             await net.stop()
         await asyncio.to_thread(self.host_for(inst).remove)
         self._hosts.pop(instance_id, None)
-        billing.close_open(self.state.charges, instance_id, time.time())
+        billing.close_open(self.state.charges, instance_id, time.time(), kinds=("gpu", "storage", "bandwidth"))
         self.save()
         log.info("destroyed instance %s", instance_id)
 
@@ -261,7 +299,32 @@ class Cloud(Power):
 
     # ---- account -----------------------------------------------------------------------
     def credit(self) -> float:
-        return billing.credit(self.state.charges, time.time())
+        return billing.credit(self.state.charges, time.time(), self.faults.credit_usd)
+
+    def count_traffic(self, instance_id: int, down: int = 0, up: int = 0) -> None:
+        """Bytes the instance received and sent: billed at its offer's $/GB whatever its state."""
+        charge = billing.bandwidth(self.state.charges, instance_id)
+        if charge is not None:
+            charge.bytes_down += down
+            charge.bytes_up += up
+
+    def link_of(self, address: str) -> Link | None:
+        """The live instance whose host has this address, with its offer's download speed: the hub serves a
+        host no faster than its link (`inet_down`, Mbit/s)."""
+        for inst in self.state.instances.values():
+            if inst.private_ip == address:
+                mbps = inst.offer.get("inet_down")
+                rate = float(mbps) * 1e6 / 8 if isinstance(mbps, int | float) and mbps > 0 else None
+                return Link(inst.id, rate)
+        return None
+
+    def refuse_without_credit(self, offer_id: int | None = None) -> None:
+        """vast.ai rents nothing to an account whose credit is spent."""
+        if self.credit() <= 0:
+            extra = {"ask_id": offer_id} if offer_id is not None else {}
+            raise ApiError(
+                400, "insufficient_credit", "Insufficient credit: add credit to your account to rent", **extra
+            )
 
     def user(self) -> dict[str, Any]:
         return {
@@ -282,7 +345,7 @@ class Cloud(Power):
         key = body.get("ssh_key") if isinstance(body, dict) else None
         if not isinstance(key, str) or not key.strip():
             raise ApiError(400, "invalid_args", "No ssh key provided")
-        if not re.match(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-\S+) [A-Za-z0-9+/=]+( .*)?$", key.strip()):
+        if not SSH_KEY.match(key.strip()):
             raise ApiError(400, "invalid_args", "Invalid ssh key")
         entry = {
             "id": self.state.next_key_id,
@@ -297,6 +360,21 @@ class Cloud(Power):
         self.save()
         return entry
 
+    def attach_ssh_key(self, instance_id: int, body: Any) -> None:
+        """Put a key on one instance (vast.ai's POST /instances/{id}/ssh/: an instance_write permission, where
+        an account key needs user_write); a running host gets it at once, a booting one from its init."""
+        inst = self.state.instances.get(instance_id)
+        if inst is None:
+            raise ApiError(404, "not_found", "Not Found", shape=TEXT)
+        key = body.get("ssh_key") if isinstance(body, dict) else None
+        if not isinstance(key, str) or not SSH_KEY.match(key.strip()):
+            raise ApiError(400, "invalid_args", "Invalid ssh key")
+        if key.strip() not in inst.authorized_keys:
+            inst.authorized_keys.append(key.strip())
+            self.save()
+        if inst.status == "running" and inst.ssh_mode:
+            self.host_for(inst).install_keys(inst.authorized_keys)
+
     def ssh_keys(self) -> list[dict[str, Any]]:
         """The account's keys, deleted ones with their `deleted_at`; an account that never had one: 404."""
         if not self.state.ssh_keys:
@@ -306,7 +384,7 @@ class Cloud(Power):
     def delete_ssh_key(self, key_id: int) -> None:
         key = next((k for k in self.state.ssh_keys if k["id"] == key_id and not k.get("deleted_at")), None)
         if key is None:
-            raise ApiError(404, "not_found", f"ssh key {key_id} not found")
+            raise ApiError(404, "not_found", f"ssh key {key_id} not found", shape=MESSAGE_ONLY)
         key["deleted_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.save()
 

@@ -98,6 +98,13 @@ class Faults:
     # machines whose GPU another renter took while our instance there was stopped: a start waits in
     # `scheduling` until the fault is cleared (vast.ai: "subject to resource availability on the machine")
     gpu_taken: list[int] = field(default_factory=list)
+    # images the registry does not have (a wrong tag): the pull fails on every machine
+    missing_images: list[str] = field(default_factory=list)
+    # private images: image -> the login (vast.ai's `-u USER -p TOKEN REGISTRY`) a create must carry to pull it
+    private_images: dict[str, str] = field(default_factory=dict)
+    credit_usd: float | None = None  # the account's starting credit (None: the default); at 0 vast.ai stops all
+    # API keys with only some permissions (vast.ai's scoped keys): key -> its permissions (user_write, ...)
+    scoped_keys: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -126,6 +133,10 @@ class Faults:
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
+            missing_images=[str(x) for x in data.get("missing_images", [])],
+            private_images={str(k): str(v) for k, v in data.get("private_images", {}).items()},
+            credit_usd=float(data["credit_usd"]) if data.get("credit_usd") is not None else None,
+            scoped_keys={str(k): [str(p) for p in v] for k, v in data.get("scoped_keys", {}).items()},
         )
 
     def to_dict(self) -> dict[str, Any]:

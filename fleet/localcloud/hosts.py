@@ -90,10 +90,20 @@ class LocalHost:
         for script in HOST_SCRIPTS.iterdir():
             _link(script, self.bin_dir / script.name)
         # nvidia-smi: on a GPU machine the container runtime mounts the driver's tools into every container
-        for program in ("aria2c", "nvidia-smi"):
-            found = shutil.which(program)
-            if found:
-                _link(Path(found), self.bin_dir / program)
+        found = shutil.which("nvidia-smi")
+        if found:
+            _link(Path(found), self.bin_dir / "nvidia-smi")
+        # A host's downloads leave from its own address (on vast.ai, its machine's public IP): the hub knows
+        # whose link a pull runs on, and the cloud bills its traffic.
+        aria2c = shutil.which("aria2c")
+        if aria2c:
+            wrapper = self.bin_dir / "aria2c"
+            wrapper.unlink(missing_ok=True)
+            _write_private(
+                wrapper,
+                f'#!/bin/sh\nexec {shlex.quote(aria2c)} --interface={shlex.quote(self.private_ip)} "$@"\n',
+            )
+            os.chmod(wrapper, 0o700)
         if self.llama_server and self.frozen_server:
             wrapper = self.bin_dir / "llama-server"
             wrapper.unlink(missing_ok=True)

@@ -41,11 +41,29 @@ class HubFile:
         return self.sha256
 
 
+@dataclass(frozen=True)
+class Link:
+    """The host a download is for (known by its address) and how fast its link is (bytes/s; None: no cap)."""
+
+    instance_id: int
+    bytes_per_s: float | None
+
+
 class Hub:
-    def __init__(self, root: Path, bytes_per_s: int, faults: Callable[[], Faults]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        bytes_per_s: int,
+        faults: Callable[[], Faults],
+        links: Callable[[str], Link | None] = lambda address: None,
+        on_download: Callable[[int, int], None] = lambda instance_id, n: None,
+    ) -> None:
         self.root = root
         self.bytes_per_s = bytes_per_s
         self._faults = faults  # () -> Faults, so admin changes apply at once
+        self._links = links  # a downloader's address -> its host's link
+        self._on_download = on_download  # (instance id, bytes): the host's traffic, billed
+        self._link_free_at: dict[int, float] = {}  # instance id -> when its link is free again
         self._by_repo: dict[tuple[str, str], HubFile] = {}
         self.bytes_served: dict[str, int] = {}  # repo/file -> body bytes written, for tests and demos
         self.token_requests = 0  # requests that carried a bearer token (a Hugging Face token, on the real hub)
@@ -155,6 +173,7 @@ class Hub:
             reset_after = reset.after_bytes
         sent = 0
         served, key = self.bytes_served, f"{entry.repo}/{entry.path.name}"
+        link = self._links(request.remote or "")
         began = time.monotonic()
         with entry.path.open("rb") as f:
             f.seek(start)
@@ -171,10 +190,18 @@ class Hub:
                         request.transport.abort()
                     return response
                 ahead = (sent + len(block)) / self.bytes_per_s - (time.monotonic() - began)
+                if link is not None and link.bytes_per_s:
+                    # every connection of one host shares its link: each block waits its turn on it
+                    now = time.monotonic()
+                    free_at = max(self._link_free_at.get(link.instance_id, now), now) + len(block) / link.bytes_per_s
+                    self._link_free_at[link.instance_id] = free_at
+                    ahead = max(ahead, free_at - now)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
                 await response.write(block)
                 sent += len(block)
                 served[key] = served.get(key, 0) + len(block)
+                if link is not None:
+                    self._on_download(link.instance_id, len(block))
         await response.write_eof()
         return response

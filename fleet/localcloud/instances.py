@@ -35,6 +35,9 @@ class Instance:
     status_msg: str | None = None
     running_at: float | None = None
     intended_status: str = "running"
+    cur_state: str = "running"  # the contract: running, or stopped (its disk kept, the GPU released)
+    pull_error: str | None = None  # what the registry answered when the image could not be pulled
+    expired: bool = False  # its rental contract ended: stopped, and it cannot start again
 
     @property
     def machine_id(self) -> int:
@@ -89,6 +92,21 @@ class CreateRequest:
     runtype: str
     env: dict[str, str]  # the plain variables (docker options removed)
     container_ports: list[str]  # "18080/tcp", "22/tcp" first when SSH is direct
+    image_login: str | None  # a private registry's login, `-u USER -p TOKEN REGISTRY`; never stored
+
+
+def pull_error(image: str, login: str | None, missing: list[str], private: dict[str, str]) -> str | None:
+    """What the registry answers a pull of `image` with `login`: None when it pulls; else the daemon's words,
+    as vast.ai shows them in status_msg."""
+    if image in missing:
+        return f"Error response from daemon: manifest for {image} not found: manifest unknown: manifest unknown"
+    if image in private and login != private[image]:
+        repo = image.rsplit(":", 1)[0]
+        return (
+            f"Error response from daemon: pull access denied for {repo}, repository does not exist or may "
+            "require 'docker login': denied: requested access to the resource is denied"
+        )
+    return None
 
 
 def parse_create(offer_id: int, body: Any) -> CreateRequest:
@@ -118,6 +136,9 @@ def parse_create(offer_id: int, body: Any) -> CreateRequest:
     runtype = body.get("runtype") or "ssh"
     if not isinstance(runtype, str):
         raise ApiError(400, "invalid_args", "Invalid args: 'runtype' must be a string", ask_id=offer_id)
+    image_login = body.get("image_login")
+    if image_login is not None and (not isinstance(image_login, str) or len(image_login) > 2048):
+        raise ApiError(400, "invalid_args", "Invalid args: 'image_login' must be a string", ask_id=offer_id)
 
     container_ports: list[str] = []
     plain_env: dict[str, str] = {}
@@ -136,4 +157,4 @@ def parse_create(offer_id: int, body: Any) -> CreateRequest:
         container_ports.insert(0, "22/tcp")
     if len(container_ports) > MAX_PORTS:
         raise ApiError(400, "invalid_args", f"Invalid args: at most {MAX_PORTS} open ports", ask_id=offer_id)
-    return CreateRequest(image, disk, label, onstart, runtype, plain_env, container_ports)
+    return CreateRequest(image, disk, label, onstart, runtype, plain_env, container_ports, image_login or None)

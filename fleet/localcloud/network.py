@@ -16,6 +16,7 @@ import contextlib
 import logging
 import random
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("fleet.localcloud.network")
@@ -55,6 +56,9 @@ def internal_ssh_port(address: str) -> int:
     return 22 if _bindable(address, 22) else free_port(address)
 
 
+Traffic = Callable[[int, int], None]  # (bytes into the host, bytes out of it)
+
+
 @dataclass(frozen=True)
 class Mapping:
     listen_host: str
@@ -66,8 +70,9 @@ class Mapping:
 class Forwarder:
     """One TCP forwarder: accepts on (listen_host, listen_port), pipes each connection to the target."""
 
-    def __init__(self, mapping: Mapping) -> None:
+    def __init__(self, mapping: Mapping, traffic: Traffic | None = None) -> None:
         self.mapping = mapping
+        self._traffic = traffic
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task] = set()
 
@@ -87,7 +92,9 @@ class Forwarder:
                 writer.transport.abort()
                 return
             try:
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+                down = (lambda n: self._traffic(n, 0)) if self._traffic else None
+                up = (lambda n: self._traffic(0, n)) if self._traffic else None
+                await asyncio.gather(_pipe(reader, up_writer, down), _pipe(up_reader, writer, up))
             finally:
                 up_writer.close()
         finally:
@@ -107,12 +114,16 @@ class Forwarder:
                 await task
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count: Callable[[int], None] | None = None
+) -> None:
     try:
         while True:
             data = await reader.read(65536)
             if not data:
                 break
+            if count is not None:
+                count(len(data))
             writer.write(data)
             await writer.drain()
     except (ConnectionError, OSError):
@@ -128,8 +139,8 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 class HostNetwork:
     """Every forwarder of one host; started when it runs, stopped when it stops or goes."""
 
-    def __init__(self, mappings: list[Mapping]) -> None:
-        self._forwarders = [Forwarder(m) for m in mappings]
+    def __init__(self, mappings: list[Mapping], traffic: Traffic | None = None) -> None:
+        self._forwarders = [Forwarder(m, traffic) for m in mappings]
         self.started = False
 
     async def start(self) -> None:

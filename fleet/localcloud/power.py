@@ -34,7 +34,7 @@ class Power(Booting):
         disk's goes on (vast.ai: "Disk charges continue; no GPU charges")."""
         while inst.id in self.state.instances and self._booting(inst):
             await asyncio.sleep(0.1)  # a boot in flight ends first: its steps cannot be cut short
-        if inst.id not in self.state.instances or inst.intended_status != "stopped" or inst.status == "stopped":
+        if inst.id not in self.state.instances or inst.intended_status != "stopped" or inst.cur_state == "stopped":
             return
         await asyncio.to_thread(self.host_for(inst).stop)
         net = self._networks.pop(inst.id, None)
@@ -45,7 +45,9 @@ class Power(Booting):
         disk = float(inst.offer.get("storage_total_cost") or 0.0)
         self.state.charges.append(Charge(inst.id, inst.label, now, None, disk, kind="storage"))
         inst.running_at = None
-        self._set_status(inst, "stopped", "Instance stopped")
+        inst.cur_state = "stopped"
+        # vast.ai shows a stopped instance `exited` (its CLI's status filter knows no `stopped`), stopped intended
+        self._set_status(inst, "exited", "Instance stopped")
         log.info("stopped instance %s", inst.id)
 
     def _booting(self, inst: Instance) -> bool:
@@ -55,7 +57,7 @@ class Power(Booting):
         """Start a stopped instance: it waits in `scheduling` while its machine's GPU is taken, then boots
         through the platform's init and onstart again, on its kept disk, with new external ports (a
         restarted container is mapped anew); the GPU price runs again."""
-        while inst.id in self.state.instances and inst.status != "stopped":
+        while inst.id in self.state.instances and inst.cur_state != "stopped":
             if inst.intended_status != "running":
                 return
             await asyncio.sleep(0.1)  # a stop in flight ends first
@@ -66,9 +68,7 @@ class Power(Booting):
             await asyncio.sleep(0.2)
             if inst.id not in self.state.instances or inst.intended_status != "running":
                 return
-        now = time.time()
-        billing.close_open(self.state.charges, inst.id, now)
-        self.state.charges.append(Charge(inst.id, inst.label, now, None, inst.dph_total))
+        inst.cur_state = "running"  # scheduled: the GPU is its again, billed once it runs (boot.py)
         inst.ssh_port = network.free_port(network.PROXY_HOST)
         inst.ports = {key: network.free_port() for key in inst.ports}
         boot = asyncio.current_task()

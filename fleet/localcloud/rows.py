@@ -66,7 +66,7 @@ def instance_row(inst: Instance, actual_status: str | None, credit: float, now: 
         "id": inst.id,
         "actual_status": actual_status,
         "intended_status": inst.intended_status,
-        "cur_state": "stopped" if inst.status == "stopped" else "running",
+        "cur_state": inst.cur_state,
         "next_state": inst.intended_status,
         "status_msg": inst.status_msg,
         "label": inst.label,

@@ -26,7 +26,13 @@ DEFAULT_OFFERS_DIR = toolchain.REPO_ROOT / "offers"
 
 async def serve(settings: CloudSettings, host: str, port: int, publish: list[tuple[str, Path]] = ()) -> None:
     cloud = Cloud(settings)
-    hub = Hub(settings.state_dir / "hub", settings.hub_bytes_per_s, lambda: cloud.faults)
+    hub = Hub(
+        settings.state_dir / "hub",
+        settings.hub_bytes_per_s,
+        lambda: cloud.faults,
+        links=cloud.link_of,
+        on_download=lambda instance_id, n: cloud.count_traffic(instance_id, down=n),
+    )
     await asyncio.to_thread(hub.publish_tiny_models)
     await asyncio.to_thread(hub.publish_replicas, toolchain.cache_dir() / "replicas" / f"v{replicas.REPLICA_FORMAT}")
     for repo, directory in publish:

@@ -50,6 +50,8 @@ class State:
     offer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     removed_offers: list[int] = field(default_factory=list)
     destroyed: list[int] = field(default_factory=list)  # ids that existed: show answers them as gone
+    # the last row of some of those: show answers it with the statuses of a destroyed instance
+    destroyed_rows: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def load_state(path: Path) -> State:
@@ -65,6 +67,7 @@ def load_state(path: Path) -> State:
         offer_overrides={int(k): v for k, v in raw.get("offer_overrides", {}).items()},
         removed_offers=raw.get("removed_offers", []),
         destroyed=raw.get("destroyed", []),
+        destroyed_rows={int(k): v for k, v in raw.get("destroyed_rows", {}).items()},
     )
 
 
@@ -78,6 +81,7 @@ def save_state(path: Path, s: State) -> None:
         "offer_overrides": {str(k): v for k, v in s.offer_overrides.items()},
         "removed_offers": s.removed_offers,
         "destroyed": s.destroyed,
+        "destroyed_rows": {str(k): v for k, v in s.destroyed_rows.items()},
     }
     write_json_atomic(path, raw)
 

@@ -5,12 +5,14 @@ Each error maps to one policy in the lifecycle:
 - RateLimited / Transient: retried here with backoff (Retry-After honoured) before they surface;
 - CreateFailed: destroy the contract the answer names (or the one found by label), take the next offer;
 - SearchQuotaExceeded: stop, saying when the quota resets; never retried;
+- CreditSpent: stop, blaming no machine;
 - AuthError / BadRequest / MarketError: stop, after destroying what this attempt created.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -63,6 +65,11 @@ class AuthError(MarketError):
     """The API key was refused."""
 
 
+class CreditSpent(MarketError):
+    """The account's credit is spent: vast.ai stops every instance and rents nothing more. No machine is to
+    blame, and no retry can succeed until someone pays."""
+
+
 class BadRequest(MarketError):
     """The marketplace refused our request as malformed."""
 
@@ -84,6 +91,9 @@ class Offer:
     direct_port_count: int
     verified: bool
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    compute_cap: int = 0  # CUDA compute capability x 100 (860: an RTX 3090); 0 when the offer does not say
+    end_date: float | None = None  # when the machine's contract ends (epoch s): vast.ai stops the instance then
+    inet_down_mbps: float = 0.0  # the machine's measured download speed
 
     @property
     def country(self) -> str:
@@ -112,11 +122,15 @@ class Offer:
                 direct_port_count=int(row.get("direct_port_count") or 0),
                 verified=row.get("verification", "verified" if row.get("verified") else "") == "verified",
                 raw=row,
+                compute_cap=int(row.get("compute_cap") or 0),
+                end_date=float(row["end_date"]) if row.get("end_date") is not None else None,
+                inet_down_mbps=float(row.get("inet_down") or 0.0),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
         numbers = (offer.dph_total, offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb, offer.reliability)
-        if not all(math.isfinite(n) for n in (*numbers, offer.cuda_max_good, offer.disk_space_gb)):
+        more = (offer.cuda_max_good, offer.disk_space_gb, offer.inet_down_mbps, offer.end_date or 0.0)
+        if not all(math.isfinite(n) for n in (*numbers, *more)):
             raise MarketError(f"malformed offer {offer.id}: a number that is not finite")
         return offer
 
@@ -129,12 +143,26 @@ def _text(value: Any) -> str:
 
 @dataclass(frozen=True)
 class OfferQuery:
-    """The pool to ask the marketplace for; the quality filters are applied locally (offers.py)."""
+    """What to ask the marketplace for. Its answer is capped at `limit` offers, cheapest first, before fleet
+    re-checks any filter (economics/offers.py): every filter it understands goes with the question, so that
+    offers fleet would refuse do not fill that window. `pool_only` asks for the region and the card alone
+    (`fleet offers --explain` counts there what each filter removes)."""
 
     countries: list[str]
     min_gpu_ram_mb: int = 0
     allocated_disk_gb: float = 10.0
     limit: int = 1000
+    pool_only: bool = False
+    min_reliability: float | None = None  # strictly greater
+    min_cuda: float | None = None
+    min_disk_gb: float | None = None
+    min_direct_ports: int | None = None
+    max_inet_usd_per_gb: float | None = None  # each way
+    verified_only: bool = False
+    compute_caps: tuple[int, ...] = ()
+    min_duration_s: float | None = None  # the contract runs at least this long from now
+    min_inet_down_mbps: float | None = None
+    max_dph_total: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,7 @@ class InstanceSpec:
     env: dict[str, str]
     ports: list[int]
     onstart: str | None = None
+    image_login: str | None = field(default=None, repr=False)  # a private registry's login: a secret
 
 
 @dataclass(frozen=True)
@@ -161,6 +190,33 @@ class Instance:
     ports: dict[int, int]  # container port -> external port on public_ip, once running
     start_date: float | None
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    intended: str | None = None  # vast.ai's intended_status: what the platform is driving it to
+    cur_state: str | None = None  # the contract's state: running, stopped, unloaded (destroyed)
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped as asked: vast.ai shows a stopped instance `exited` (its status filter knows no `stopped`;
+        SkyPilot reads EXITED and STOPPED alike) with `stopped` intended."""
+        return self.status in STOPPED_STATUSES and (self.intended == "stopped" or self.cur_state == "stopped")
+
+    @property
+    def down(self) -> bool:
+        """Not serving and not on its way to: exited (as asked, or crashed), stopped, frozen."""
+        return self.status in FAILED
+
+    def abandoned(self) -> str | None:
+        """Why vast.ai gave up starting it (it sets `stopped` intended, with a message), or None."""
+        if self.intended == "stopped" and self.status != "running" and not self.stopped:
+            return self.status_msg or "the platform stopped trying to start it"
+        return None
+
+    def image_error(self) -> str | None:
+        """The image could not be pulled (a wrong name, a private image without its login): the same on
+        every machine, so no machine is to blame."""
+        msg = self.status_msg or ""
+        if self.status in (None, "created", "loading", "exited") and IMAGE_ERRORS.search(msg):
+            return msg
+        return None
 
     def ssh_endpoint(self) -> tuple[str, int] | None:
         """Direct (public IP and the port mapped to 22) when there is one, else the gateway."""
@@ -187,6 +243,23 @@ class Instance:
 
 PENDING = frozenset({None, "created", "loading", "restarting", "rebooting", "scheduling"})
 FAILED = frozenset({"exited", "stopped", "frozen"})
+STOPPED_STATUSES = frozenset({"exited", "stopped"})
+# What show may answer for an instance after its destroy, besides null and 404: a row that says so (vast-cli's
+# fixtures and self-test: destroyed, terminated; the docs: cur_state unloaded, "released on destroy").
+GONE = frozenset({"destroyed", "terminated"})
+# A pull that failed: vast-cli's self-test classifies these messages as docker_pull_failed.
+IMAGE_ERRORS = re.compile(
+    r"manifest for .* not found|manifest unknown|pull access denied|repository does not exist|no such image|"
+    r"unauthorized|authentication required|denied: ",
+    re.IGNORECASE,
+)
+
+
+def reads_gone(row: dict[str, Any]) -> bool:
+    """A row show or list answered for an instance that no longer exists."""
+    return row.get("actual_status") in GONE or row.get("intended_status") in GONE or row.get("cur_state") == "unloaded"
+
+
 # A host's heartbeat is late: the instance reads like this for a while and comes back (or does not).
 HEARTBEAT_LOST = frozenset({"unknown", "offline"})
 BOOT_ERRORS = ("OCI runtime create failed", "Error response from daemon", "failed to create task for container")
@@ -215,6 +288,14 @@ class Market(Protocol):
     async def instances(self, ids: list[int]) -> dict[int, Instance]:
         """The given instances in one listing (a page per 25), for polling many at once. An id missing
         from the answer is gone or not yet visible, as with get."""
+
+    async def attach_ssh_key(self, instance_id: int, public_key: str) -> None:
+        """Put a public key on one instance (where the API key may not add one to the account). AuthError
+        when the key lacks instance_write."""
+
+    async def credit(self) -> float | None:
+        """The account's available credit in $, or None when the marketplace does not say. At zero vast.ai
+        stops every instance and rents nothing more."""
 
     async def destroy(self, instance_id: int) -> None:
         """Destroy the instance. Idempotent: an instance already gone is success."""

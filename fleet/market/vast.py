@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from fleet.market import (
     AuthError,
     BadRequest,
     CreateFailed,
+    CreditSpent,
     Instance,
     InstanceSpec,
     MarketError,
@@ -29,6 +31,7 @@ from fleet.market import (
     RateLimited,
     SearchQuotaExceeded,
     Transient,
+    reads_gone,
 )
 from fleet.market.pacing import Pacer, shared_pacer
 
@@ -99,31 +102,36 @@ class VastMarket:
         except httpx.TransportError as e:
             raise Transient(f"{method} {path}: {type(e).__name__}: {e}") from None
         body = _json_or_none(response)
-        if response.status_code == 429:
+        status = response.status_code
+        if status == 429:
             if isinstance(body, dict) and body.get("error") == "search_quota_exceeded":
                 reset = response.headers.get("X-RateLimit-Reset")
                 raise SearchQuotaExceeded(_quota_message(reset), float(reset) if _is_number(reset) else None)
             after = response.headers.get("Retry-After")
             raise RateLimited(f"{method} {path}: rate limited", float(after) if _is_number(after) else None)
-        if response.status_code >= 500:
-            raise Transient(f"{method} {path}: HTTP {response.status_code}")
-        if body is None:
-            raise MarketError(f"{method} {path}: HTTP {response.status_code} with a body that is not JSON")
-        if response.status_code in (401, 403):
-            raise AuthError(f"the marketplace refused the API key: {_msg(body)}")
-        if response.status_code >= 400:
+        if status >= 500:
+            raise Transient(f"{method} {path}: HTTP {status}")
+        # vast.ai's error bodies vary: some omit `success`, some `error`, some are not JSON at all. What an
+        # error means is read from its status first and its words second; its shape never crashes us.
+        msg = _msg(body) if body is not None else _text_excerpt(response)
+        if status in (401, 403):
+            raise AuthError(f"the marketplace refused the API key: {msg}")
+        if status >= 400:
             error = body.get("error") if isinstance(body, dict) else None
-            msg = _msg(body)
             if error == "no_such_ask" or "no_such_ask" in msg:
                 raise OfferGone(msg)
-            if error in ("no_such_instance", "not_found"):
+            if status == 404 or error in ("no_such_instance", "not_found"):
                 raise NotFound(msg)
-            raise BadRequest(f"{method} {path}: HTTP {response.status_code}: {msg}")
+            if error == "insufficient_credit" or "insufficient credit" in msg.lower():
+                raise CreditSpent(f"the account's credit is spent: {msg}")
+            raise BadRequest(f"{method} {path}: HTTP {status}: {msg}")
+        if body is None:
+            raise MarketError(f"{method} {path}: HTTP {status} with a body that is not JSON")
         return body
 
     async def search(self, query: OfferQuery) -> list[Offer]:
-        # The pool: where, rentable now, enough GPU memory. Every quality filter is applied locally
-        # (offers.py) so the funnel can say how many offers each one removed.
+        # The pool (where, rentable now, enough GPU memory), and every filter the search understands unless
+        # only the pool is asked for. fleet re-checks each of them on the answer (economics/offers.py).
         body: dict[str, Any] = {
             "external": {"eq": False},
             "rentable": {"eq": True},
@@ -136,6 +144,8 @@ class VastMarket:
         }
         if query.min_gpu_ram_mb:
             body["gpu_ram"] = {"gte": float(query.min_gpu_ram_mb)}
+        if not query.pool_only:
+            body.update(_quality_filters(query))
         answer = await self._request("search", "POST", "/api/v0/bundles/", json=body)
         offers = answer.get("offers") if isinstance(answer, dict) else None
         if not isinstance(offers, list):
@@ -156,14 +166,16 @@ class VastMarket:
             "price": None,
             "cancel_unavail": True,
         }
+        if spec.image_login:
+            body["image_login"] = spec.image_login
         # A create that may have been processed is never retried: a retry can buy twice.
         answer = await self._request(
             "create", "PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False, on_sent=on_sent
         )
         if not isinstance(answer, dict):
-            raise MarketError(f"create answered {answer!r}")
+            raise MarketError(f"create answered {str(answer)[:200]!r}")
         contract = answer.get("new_contract")
-        if not answer.get("success") or not contract:
+        if answer.get("success") is False or not _is_number(contract):  # some answers omit `success`
             raise CreateFailed(
                 f"create answered an error: {_msg(answer)}", int(contract) if _is_number(contract) else None
             )
@@ -177,8 +189,8 @@ class VastMarket:
         if not isinstance(answer, dict) or "instances" not in answer:
             raise MarketError(f"show instance {instance_id}: malformed answer")
         row = answer["instances"]
-        if row is None:
-            return None
+        if row is None or (isinstance(row, dict) and reads_gone(row)):
+            return None  # destroyed: null, 404, or a row that says so
         return instance_from_row(row)
 
     async def _listing(self, select_filters: dict[str, Any]) -> list[dict[str, Any]]:
@@ -196,7 +208,7 @@ class VastMarket:
             page = answer.get("instances") if isinstance(answer, dict) else None
             if not isinstance(page, list) or not answer.get("success", True):
                 raise MarketError("instance listing was malformed; refusing to read it as 'no instances'")
-            rows.extend(r for r in page if isinstance(r, dict))
+            rows.extend(r for r in page if isinstance(r, dict) and not reads_gone(r))
             token = answer.get("next_token")
             if not token:
                 return rows
@@ -231,6 +243,20 @@ class VastMarket:
                 return
         await self._request("ssh_key_create", "POST", "/api/v0/ssh/", json={"ssh_key": public_key})
 
+    async def attach_ssh_key(self, instance_id: int, public_key: str) -> None:
+        """Put our key on one instance (POST /instances/{id}/ssh/, which needs instance_write), for an API key
+        that may not register one on the account (POST /ssh/ needs user_write)."""
+        await self._request("ssh_attach", "POST", f"/api/v0/instances/{instance_id}/ssh/", json={"ssh_key": public_key})
+
+    async def credit(self) -> float | None:
+        """The account's available credit in $ (`users/current`'s `credit`: "The credit field shows your
+        available balance"); None when the answer does not say."""
+        answer = await self._request("user", "GET", "/api/v0/users/current/")
+        value = answer.get("credit") if isinstance(answer, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return None
+        return float(value)
+
     async def destroy(self, instance_id: int) -> None:
         try:
             await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
@@ -254,6 +280,33 @@ class NotFound(MarketError):
     pass
 
 
+def _quality_filters(query: OfferQuery) -> dict[str, Any]:
+    """The search's filters for what fleet would refuse anyway (vast-cli's query fields and operators)."""
+    found: dict[str, Any] = {}
+    if query.min_reliability is not None:
+        found["reliability2"] = {"gt": query.min_reliability}
+    if query.min_cuda is not None:
+        found["cuda_max_good"] = {"gte": query.min_cuda}
+    if query.min_disk_gb is not None:
+        found["disk_space"] = {"gte": query.min_disk_gb}
+    if query.min_direct_ports is not None:
+        found["direct_port_count"] = {"gte": query.min_direct_ports}
+    if query.max_inet_usd_per_gb is not None:
+        found["inet_up_cost"] = {"lte": query.max_inet_usd_per_gb}
+        found["inet_down_cost"] = {"lte": query.max_inet_usd_per_gb}
+    if query.verified_only:
+        found["verified"] = {"eq": True}
+    if query.compute_caps:
+        found["compute_cap"] = {"in": list(query.compute_caps)}
+    if query.min_duration_s is not None:
+        found["duration"] = {"gte": query.min_duration_s}
+    if query.min_inet_down_mbps is not None:
+        found["inet_down"] = {"gte": query.min_inet_down_mbps}
+    if query.max_dph_total is not None:
+        found["dph_total"] = {"lte": query.max_dph_total}
+    return found
+
+
 def _json_or_none(response: httpx.Response) -> Any:
     try:
         return response.json()
@@ -275,6 +328,15 @@ def _quota_message(reset: str | None) -> str:
         left = max(float(reset or 0) - time.time(), 0)
         message += f", in {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
     return message + "); searches are not retried until then"
+
+
+def _status_text(value: Any) -> str | None:
+    return value[:40] if isinstance(value, str) else None
+
+
+def _text_excerpt(response: httpx.Response) -> str:
+    text = response.text.strip().replace("\n", " ")
+    return text[:200] or f"HTTP {response.status_code} with an empty body"
 
 
 def _msg(body: Any) -> str:
@@ -305,6 +367,8 @@ def instance_from_row(row: Any) -> Instance:
             ports=ports,
             start_date=float(row["start_date"]) if row.get("start_date") else None,
             raw=row,
+            intended=_status_text(row.get("intended_status")),
+            cur_state=_status_text(row.get("cur_state")),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise MarketError(

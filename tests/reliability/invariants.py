@@ -58,11 +58,18 @@ def settled(state_dir: Path, databases: list[Path], *, cost_slack_s: float = 180
         mine = charges.get(h["instance_id"])
         if not mine or any(c["end"] is None for c in mine) or h["accrued_usd"] is None:
             continue
-        true_cost = sum(c["dph_total"] * (c["end"] - c["start"]) / 3600 for c in mine)
+        true_cost = sum(charged(c) for c in mine)
         if abs(h["accrued_usd"] - true_cost) > h["dph_total"] * cost_slack_s / 3600:
             found.wrong_costs.append(f"{h['name']}: recorded ${h['accrued_usd']:.5f}, charged ${true_cost:.5f}")
     found.processes = host_processes(state_dir)
     return found
+
+
+def charged(charge: dict) -> float:
+    """What one charge of the cloud's books came to: hours at its rate, or bytes at the offer's $/GB."""
+    if charge.get("kind") == "bandwidth":
+        return (charge["bytes_down"] * charge["usd_per_gb_down"] + charge["bytes_up"] * charge["usd_per_gb_up"]) / 1e9
+    return charge["dph_total"] * (charge["end"] - charge["start"]) / 3600
 
 
 def host_processes(state_dir: Path) -> list[int]:

@@ -80,7 +80,7 @@ def test_a_crash_of_standby_mid_stop_lands_in_the_pool_and_is_settled(config, cl
     crashed = fleet(config, cloud, "standby", "--model", "tiny", "--region", "eu", crash_at="mid_stop")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     for _ in range(50):  # the local cloud stops it a moment after answering
-        if next(iter(cloud.state()["instances"].values()))["status"] == "stopped":
+        if next(iter(cloud.state()["instances"].values()))["cur_state"] == "stopped":
             break
         time.sleep(0.2)
     reconciled = fleet(config, cloud, "reconcile", "--json")
