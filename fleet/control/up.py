@@ -26,7 +26,7 @@ from fleet.core.record import CapReached
 from fleet.economics import offers as offer_rules
 from fleet.host import profile as profiles
 from fleet.host.attempts import AttemptReport, attempt_row, end_attempt
-from fleet.host.bringup import BringUp
+from fleet.host.bringup import BringUp, image_login
 from fleet.host.endpoints import publish_endpoints
 from fleet.host.ops import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
@@ -84,7 +84,7 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
     run_id = secrets.token_hex(4)
     result = UpResult(run_id=run_id)
     await profiles.check_template(ctx, profile)
-    ctx.settings.provider.image_login()  # a private image's token is at hand before anything is rented
+    image_login(ctx.settings.provider)  # a private image's token is at hand before anything is rented
     funnel = await offers.search(ctx, request.model, request.region, request.max_price, exclude_unusable=True)
     ranked = [offer for offer, _ in offers.rank(ctx, profile, funnel.passed, request.by_price, funnel.pull_gb)]
     if request.dry_run:

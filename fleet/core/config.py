@@ -54,20 +54,6 @@ class Provider(Strict):
     def is_local(self) -> bool:
         return self.url == LOCAL
 
-    def image_login(self) -> str | None:
-        """The create call's `image_login` for a private image (None for a public one): the registry is the
-        image's first part when it names a host, else Docker Hub."""
-        if not self.registry_user:
-            return None
-        token = os.environ.get(self.registry_token_env, "")
-        if not token or any(c.isspace() for c in token):
-            raise ConfigError(
-                f"provider.registry_user is set: ${self.registry_token_env} must hold the registry's token (no spaces)"
-            )
-        first = self.image.split("/", 1)[0]
-        registry = first if "/" in self.image and ("." in first or ":" in first) else "docker.io"
-        return f"-u {self.registry_user} -p {token} {registry}"
-
 
 class Hub(Strict):
     url: str = "auto"

@@ -23,7 +23,7 @@ import httpx
 
 from fleet.context import Context
 from fleet.core import failpoints
-from fleet.core.config import Profile
+from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.models import Host, HostState, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.host import ops as hostops
@@ -133,7 +133,7 @@ class BringUp:
             label=host.label,
             env={},
             ports=[SERVICE_PORT],
-            image_login=ctx.settings.provider.image_login(),
+            image_login=image_login(ctx.settings.provider),
         )
         ctx.reporter.info(
             host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
@@ -286,6 +286,21 @@ class BringUp:
                 blacklist=not software,
                 retry=not software,
             )
+
+
+def image_login(provider: Provider) -> str | None:
+    """The create call's `image_login` for a private image (None for a public one): `-u USER -p TOKEN
+    REGISTRY`, the registry being the image's first part when it names a host, else Docker Hub."""
+    if not provider.registry_user:
+        return None
+    token = os.environ.get(provider.registry_token_env, "")
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(
+            f"provider.registry_user is set: ${provider.registry_token_env} must hold the registry's token (no spaces)"
+        )
+    first = provider.image.split("/", 1)[0]
+    registry = first if "/" in provider.image and ("." in first or ":" in first) else "docker.io"
+    return f"-u {provider.registry_user} -p {token} {registry}"
 
 
 SOFTWARE_PROBES = frozenset({"cache", "keepalive"})

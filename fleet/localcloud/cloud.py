@@ -12,14 +12,13 @@ import asyncio
 import json
 import logging
 import os
-import re
 import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 from fleet.localcloud import billing, catalog, network, query, rows
-from fleet.localcloud.apierror import MESSAGE_ONLY, NO_SUCCESS, TEXT, ApiError
+from fleet.localcloud.apierror import NO_SUCCESS, ApiError
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
 from fleet.localcloud.hosts import LocalHost
@@ -27,16 +26,16 @@ from fleet.localcloud.hub import Link
 from fleet.localcloud.instances import Instance, parse_create, pull_error
 from fleet.localcloud.power import Power
 from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
+from fleet.localcloud.sshkeys import SshKeys
 from fleet.localcloud.state import CloudSettings, load_state, save_state, write_json_atomic
 
 log = logging.getLogger("fleet.localcloud")
 
-SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-\S+) [A-Za-z0-9+/=]+( .*)?$")
 
 __all__ = ["ApiError", "Cloud", "CloudSettings"]
 
 
-class Cloud(Power):
+class Cloud(Power, SshKeys):
     def __init__(self, settings: CloudSettings) -> None:
         self.settings = settings
         self.state_dir = settings.state_dir
@@ -340,53 +339,6 @@ class Cloud(Power):
 
     def charges(self, select_filters: dict[str, Any]) -> dict[str, Any]:
         return billing.charges_page(self.state.charges, select_filters)
-
-    def add_ssh_key(self, body: Any) -> dict[str, Any]:
-        key = body.get("ssh_key") if isinstance(body, dict) else None
-        if not isinstance(key, str) or not key.strip():
-            raise ApiError(400, "invalid_args", "No ssh key provided")
-        if not SSH_KEY.match(key.strip()):
-            raise ApiError(400, "invalid_args", "Invalid ssh key")
-        entry = {
-            "id": self.state.next_key_id,
-            "user_id": 1,
-            "public_key": key.strip(),
-            "key": key.strip(),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "deleted_at": None,
-        }
-        self.state.next_key_id += 1
-        self.state.ssh_keys.append(entry)
-        self.save()
-        return entry
-
-    def attach_ssh_key(self, instance_id: int, body: Any) -> None:
-        """Put a key on one instance (vast.ai's POST /instances/{id}/ssh/: an instance_write permission, where
-        an account key needs user_write); a running host gets it at once, a booting one from its init."""
-        inst = self.state.instances.get(instance_id)
-        if inst is None:
-            raise ApiError(404, "not_found", "Not Found", shape=TEXT)
-        key = body.get("ssh_key") if isinstance(body, dict) else None
-        if not isinstance(key, str) or not SSH_KEY.match(key.strip()):
-            raise ApiError(400, "invalid_args", "Invalid ssh key")
-        if key.strip() not in inst.authorized_keys:
-            inst.authorized_keys.append(key.strip())
-            self.save()
-        if inst.status == "running" and inst.ssh_mode:
-            self.host_for(inst).install_keys(inst.authorized_keys)
-
-    def ssh_keys(self) -> list[dict[str, Any]]:
-        """The account's keys, deleted ones with their `deleted_at`; an account that never had one: 404."""
-        if not self.state.ssh_keys:
-            raise ApiError(404, "not_found", "No SSH keys found for this account.")
-        return self.state.ssh_keys
-
-    def delete_ssh_key(self, key_id: int) -> None:
-        key = next((k for k in self.state.ssh_keys if k["id"] == key_id and not k.get("deleted_at")), None)
-        if key is None:
-            raise ApiError(404, "not_found", f"ssh key {key_id} not found", shape=MESSAGE_ONLY)
-        key["deleted_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.save()
 
     def gpu_names(self) -> list[str]:
         return sorted({o["gpu_name"] for o in self.offers})
