@@ -60,6 +60,7 @@ class Bed:
     env: dict[str, str] = field(default_factory=dict)
     asked: set[str] = field(default_factory=set)  # hosts a user command (or vast.ai itself) took away
     own: dict[str, int] = field(default_factory=dict)  # what the fault's own bar counted
+    databases: list[Path] = field(default_factory=list)  # other installs' records on the same account
 
     @property
     def config(self) -> Path:
@@ -220,6 +221,7 @@ def second_install(bed: Bed, rng: random.Random) -> None:
     other.mkdir()
     env = {**bed.env, "FLEET_CONFIG": str(write_config(other))}
     laptop = Bed(other, bed.cloud, env)
+    bed.databases.append(other / "fleet.db")
     laptop.fleet("up", "--model", "tiny", "--region", "eu")
     theirs = {h["instance_id"] for h in laptop.hosts()}
     bed.fleet(*UP)
@@ -302,7 +304,7 @@ def one_run(name: str, seed: int, root: Path) -> Run:
         run.ready = bed.ready()
         served = _served_hosts(directory / "fleet.db")
         bed.fleet("destroy", "--all", "--yes")
-        findings = settled(cloud.state_dir, [directory / "fleet.db"])
+        findings = settled(cloud.state_dir, [directory / "fleet.db", *bed.databases])
         run.leaked, run.duplicates, run.lost = len(findings.leaked), len(findings.duplicates), len(findings.lost)
         run.wrongly_destroyed = len(served - bed.asked)
         run.own = bed.own

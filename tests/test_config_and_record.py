@@ -154,3 +154,22 @@ def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
         assert conn.execute(text("SELECT count(*) FROM events WHERE host_id = 1")).scalar() == 1
         assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
     assert db.Record(engine).hosts()[0].name == "h1"
+
+
+def test_opening_the_database_again_keeps_the_locks_this_process_holds_on_it(tmp_path):
+    """Every command, and every tick of the daemon, opens the database: that must never open the file behind
+    SQLite's back, which would drop this process's POSIX locks on it (and let another process delete the WAL
+    under its connections)."""
+    path = tmp_path / "fleet.db"
+    engine = db.open_database(path)
+    db.Record(engine).hosts()  # a connection in WAL mode holds a read lock on the file
+
+    def locks() -> int:
+        inode = f":{path.stat().st_ino} "
+        return sum(1 for line in Path("/proc/locks").read_text().splitlines() if inode in line)
+
+    held = locks()
+    assert held >= 1
+    assert db.open_database(path) is engine  # one engine per database in a process
+    db.make_engine(path).dispose()  # even a second engine of its own never touches the file
+    assert locks() == held

@@ -158,3 +158,76 @@ def test_daemon_keeps_a_serve_target_and_its_standby_pool(cloud, tmp_path):
     text = (tmp_path / "daemon.log").read_text()
     assert code == 0, text
     assert "serve: tiny in eu" in text and destroyed.returncode == 0
+
+
+READER = '''
+import os, signal, sqlite3, sys
+path, missing, stop = sys.argv[1], 0, []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+while not stop:
+    db = sqlite3.connect(path, timeout=10)
+    db.execute("SELECT COUNT(*) FROM hosts").fetchone()
+    db.close()
+    missing += not os.path.exists(path + "-wal")
+print(missing)
+'''
+
+
+def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(cloud, tmp_path):
+    """A daemon ticking every second beside `fleet status`, `endpoints` and `machines` run again and again (as
+    a person and their scripts do): no job fails, and the database passes SQLite's integrity check. Closing
+    any descriptor of the database file drops every POSIX lock the process holds on it, so a process that
+    opens the file behind SQLite's back lets another one delete the WAL under the daemon."""
+    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
+    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
+    text = text.replace("reconcile_every_s = 3600", "reconcile_every_s = 2")
+    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
+    (tmp_path / "fleet.toml").write_text(text)
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+    assert fleet(env, "up", "--model", "tiny", "--region", "eu").returncode == 0
+    db_path = tmp_path / "fleet.db"
+    log = (tmp_path / "daemon.log").open("w")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "daemon", "--metrics-port", "0"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    commands = 0
+    try:
+        while "daemon started" not in (tmp_path / "daemon.log").read_text():
+            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.1)
+        with sqlite3.connect(db_path) as db:
+            ticks_before = db.execute("SELECT COUNT(*) FROM job_runs").fetchone()[0]
+        # a script beside them that reads the database many times a second, each time on a new connection:
+        # when the daemon has lost its locks, the first of these to close takes the WAL away from under it
+        reader = subprocess.Popen([sys.executable, "-c", READER, str(db_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(12):  # a stream of other commands, each its own process and engine
+            for args in (("status",), ("endpoints",), ("machines", "--json")):
+                done = fleet(env, *args)
+                assert done.returncode == 0, done.stderr
+                commands += 1
+            assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+        reader.terminate()
+        wal_missing = int(reader.communicate(timeout=30)[0].split()[-1])
+        with sqlite3.connect(db_path) as db:
+            ticks_after = db.execute("SELECT COUNT(*) FROM job_runs").fetchone()[0]
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        log.close()
+    text = (tmp_path / "daemon.log").read_text()
+    assert code == 0, text
+    assert commands == 36 and ticks_after - ticks_before >= 10  # the daemon kept working throughout
+    assert wal_missing == 0  # the daemon's connections held the database open: no one took the WAL away
+    assert "Traceback" not in text and "raised an exception" not in text and "disk I/O error" not in text, text
+    with sqlite3.connect(db_path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert fleet(env, "destroy", "--all", "--yes").returncode == 0

@@ -42,11 +42,17 @@ def sqlite_url(path: Path) -> str:
 
 
 def _private_file(path: Path) -> None:
-    """Create the database file (and its directory) readable by its owner only."""
+    """Create the database file (and its directory) readable by its owner only. A file that exists is never
+    opened here: closing any descriptor of it would drop every POSIX lock this process holds on it, and
+    another process would then believe itself the last connection and delete the WAL under ours (SQLite's
+    "How To Corrupt An SQLite Database File", 2.2)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        os.chmod(path, 0o600)
+        return
     os.close(fd)
-    os.chmod(path, 0o600)
 
 
 def is_postgres(engine: Engine) -> bool:
@@ -110,9 +116,18 @@ def migrate(engine: Engine, revision: str = "head") -> None:
                 os.chmod(side, 0o600)
 
 
+_ENGINES: dict[str, Engine] = {}  # one engine per database in a process, migrated once
+
+
 def open_database(target: Path | str) -> Engine:
-    engine = make_engine(target)
-    migrate(engine)
+    """This process's engine for the database, its schema brought to the newest migration the first time.
+    Disposing it closes its idle connections; it stays usable."""
+    key = str(target)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = make_engine(target)
+        migrate(engine)
+        _ENGINES[key] = engine
     return engine
 
 
