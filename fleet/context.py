@@ -95,37 +95,85 @@ class Leases:
 
 
 class Context:
-    """What a controller or a host step works with; see the module's docstring."""
+    """What a controller or a host step works with; see the module's docstring. The marketplace (and with it,
+    for the local provider, the local cloud) and fleet's SSH key are opened the first time a step needs them:
+    `fleet status` reads the record and starts nothing."""
 
     def __init__(
         self,
         settings: Settings,
         record: Record,
-        market: VastMarket,
-        ssh_key: SshKey,
-        hub_url: str,
+        market: VastMarket | None = None,
+        ssh_key: SshKey | None = None,
+        hub_url: str | None = None,
         reporter: Reporter | None = None,
     ) -> None:
         self.settings = settings
         self.record = record
-        self.market = market
-        self.ssh_key = ssh_key
-        self.hub_url = hub_url.rstrip("/")
         self.reporter: Reporter = reporter or QuietReporter()
         self.owner = process_owner()
         # every instance this install rents is labelled so; reconcile takes only such strays
         self.label_prefix = f"{LABEL_PREFIX}{record.install_id()}:"
         self.leases = Leases(record, settings.up.lease_s, self.owner)
         self.waits = Waits()
-        self.watch = InstanceWatch(market, settings.provider.poll_max_interval_s)
         self.headers: dict[str, GgufHeader] = {}  # by URL: a file at a pinned revision never changes
         self.templates: dict[str, tuple[str | None, str]] = {}  # by profile: (text, where it came from)
         # an API key that may not add fleet's SSH key to the account (no user_write) attaches it to each instance
         self.key_per_instance = False
+        self._market = market
+        self._ssh_key = ssh_key
+        self._hub_url = hub_url.rstrip("/") if hub_url else None
+        self._watch: InstanceWatch | None = None
+
+    @property
+    def market(self) -> VastMarket:
+        if self._market is None:
+            endpoint = resolve(self.settings, self.reporter)
+            self._market = VastMarket(
+                endpoint.url, endpoint.api_key, timeout_s=self.settings.provider.request_timeout_s
+            )
+            self._hub_url = self._hub_url or self.settings.hub_url(endpoint.local_cloud_url).rstrip("/")
+        return self._market
+
+    @market.setter
+    def market(self, market: VastMarket) -> None:
+        self._market = market
+
+    @property
+    def hub_url(self) -> str:
+        """Where model files come from: the local cloud's hub needs the local cloud; Hugging Face does not."""
+        if self._hub_url is None:
+            if self.settings.provider.is_local and self.settings.hub.url == "auto":
+                _ = self.market  # the local cloud serves the hub: start it
+            else:
+                self._hub_url = self.settings.hub_url(None).rstrip("/")
+        assert self._hub_url is not None
+        return self._hub_url
+
+    @property
+    def watch(self) -> InstanceWatch:
+        """One listing for every instance in flight (fleet/market/watch.py)."""
+        if self._watch is None:
+            self._watch = InstanceWatch(self.market, self.settings.provider.poll_max_interval_s)
+        return self._watch
+
+    @watch.setter
+    def watch(self, watch: InstanceWatch) -> None:
+        self._watch = watch
+
+    @property
+    def ssh_key(self) -> SshKey:
+        """fleet's own SSH key, made beside the database on first use."""
+        if self._ssh_key is None:
+            self._ssh_key = ensure_key(ssh_key_path(self.settings))
+        return self._ssh_key
 
     async def close(self) -> None:
         self.leases.close()
-        await self.watch.close()
+        if self._watch is not None:
+            await self._watch.close()
+        if self._market is not None:
+            await self._market.close()
 
 
 @dataclass(frozen=True)
@@ -135,10 +183,14 @@ class Endpoint:
     local_cloud_url: str | None  # the local cloud's own URL (its hub too), when the provider is local
 
 
-def resolve(settings: Settings) -> Endpoint:
-    """Where the marketplace is and the key for it. Starts the local cloud when the provider is local."""
+def resolve(settings: Settings, reporter: Reporter | None = None) -> Endpoint:
+    """Where the marketplace is and the key for it. Starts the local cloud when the provider is local and it
+    does not run, and says so."""
     if settings.provider.is_local:
-        info = local_cloud.start(local_cloud.default_state_dir())
+        directory = local_cloud.default_state_dir()
+        if local_cloud.find(directory) is None and reporter is not None:
+            reporter.info("fleet", f"starting the local cloud (its state: {directory}; `fleet cloud stop` ends it)")
+        info = local_cloud.start(directory)
         return Endpoint(info.url, info.api_key(), info.url)
     key = os.environ.get(settings.provider.api_key_env)
     if not key:
@@ -162,20 +214,10 @@ async def open_context(
     settings: Settings, reporter: Reporter | None = None, kind: type[C] = Context
 ) -> AsyncIterator[C]:
     """A Context (or `kind`, a subclass) for these settings, closed with everything it opened."""
-    endpoint = resolve(settings)
     engine = open_database(settings.database.target)
-    market = VastMarket(endpoint.url, endpoint.api_key, timeout_s=settings.provider.request_timeout_s)
-    ctx = kind(
-        settings,
-        Record(engine),
-        market,
-        ensure_key(ssh_key_path(settings)),
-        settings.hub_url(endpoint.local_cloud_url),
-        reporter,
-    )
+    ctx = kind(settings, Record(engine), reporter=reporter)
     try:
         yield ctx
     finally:
         await ctx.close()
-        await market.close()
         engine.dispose()

@@ -17,6 +17,19 @@ from tests.secrets_watch import SecretsWatch
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _state_of_its_own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Whatever a test leaves to fleet's default state directory lands in the session's, never in the home of
+    whoever runs the tests."""
+    before = os.environ.get("FLEET_STATE_DIR")
+    os.environ["FLEET_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("FLEET_STATE_DIR", None)
+    else:
+        os.environ["FLEET_STATE_DIR"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def secrets_watch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecretsWatch]:
     """Around the whole session: no secret in a log, an output, a command line or the wrong file (see
     tests/secrets_watch.py); a leak fails the session at its end."""

@@ -69,10 +69,8 @@ def with_variant(
 def write_config(tmp: Path, extra: str = "") -> Path:
     """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read."""
     text = (ROOT / "fleet.toml").read_text()
-    text = text.replace('path = "~/.local/state/fleet/fleet.db"', f'path = "{tmp}/fleet.db"')
-    text = text.replace(
-        'endpoints_file = "~/.local/state/fleet/endpoints.json"', f'endpoints_file = "{tmp}/endpoints.json"'
-    )
+    text = text.replace("[database]\n", f'[database]\npath = "{tmp}/fleet.db"\n', 1)
+    text = text.replace("[rotation]\n", f'[rotation]\nendpoints_file = "{tmp}/endpoints.json"\n', 1)
     assert f"{tmp}/endpoints.json" in text and f"{tmp}/fleet.db" in text
     path = tmp / "fleet.toml"
     path.write_text(text + extra)

@@ -143,6 +143,7 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
     endpoints = json.loads(fleet(env, "endpoints", "--json").stdout)
     assert len(endpoints) == 2 and all("api_key" not in e for e in endpoints)
     assert all({"url", "model", "slots"} <= set(e) for e in endpoints)
+    assert all(e["base_url"] == e["url"] + "/v1" for e in endpoints)  # what the OpenAI SDK takes
     with_keys = json.loads(fleet(env, "endpoints", "--json", "--show-keys").stdout)
     keys = [e["api_key"] for e in with_keys]
     assert all(keys)

@@ -160,7 +160,7 @@ def test_daemon_keeps_a_serve_target_and_its_standby_pool(cloud, tmp_path):
     assert "serve: tiny in eu" in text and destroyed.returncode == 0
 
 
-READER = '''
+READER = """
 import os, signal, sqlite3, sys
 path, missing, stop = sys.argv[1], 0, []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -170,7 +170,7 @@ while not stop:
     db.close()
     missing += not os.path.exists(path + "-wal")
 print(missing)
-'''
+"""
 
 
 def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(cloud, tmp_path):
@@ -228,6 +228,7 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
     assert commands == 36 and ticks_after - ticks_before >= 10  # the daemon kept working throughout
     assert wal_missing == 0  # the daemon's connections held the database open: no one took the WAL away
     assert "Traceback" not in text and "raised an exception" not in text and "disk I/O error" not in text, text
+    assert "alembic" not in text and "another daemon" not in text  # one daemon alone, and no migration chatter
     with sqlite3.connect(db_path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert fleet(env, "destroy", "--all", "--yes").returncode == 0

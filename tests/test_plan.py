@@ -267,10 +267,19 @@ def run_fleet(env, *args):
 
 
 def test_plan_cli_and_the_offer_filter(cloud, tmp_path):
-    env = {**os.environ, "FLEET_CONFIG": str(write_config(tmp_path)), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(write_config(tmp_path)),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+        "FLEET_CACHE_DIR": str(tmp_path / "cache"),  # no header read before this test
+    }
+    result = run_fleet(env, "plan", "--model", "a4b")
+    assert result.returncode == 0, result.stderr
+    assert "reading gemma-4-26B-A4B-it-qat-UD-Q4_K_XL.gguf's GGUF header" in result.stderr  # progress, on stderr
     result = run_fleet(env, "plan", "--model", "a4b", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
+    assert data["bytes_fetched"] == 0  # the headers were kept on disk by each file's sha256
     assert {"weights_bytes", "per_slot_bytes", "total_bytes", "max_slots"} <= set(data)
     assert set(data["max_slots"]) == {"16", "24", "32", "48", "80", "96", "141"}
     wider = json.loads(
@@ -286,7 +295,8 @@ def test_plan_cli_and_the_offer_filter(cloud, tmp_path):
     offers = json.loads(run_fleet(env, "offers", "--model", "a4b", "--region", "eu", "--json").stdout)
     removed = {r["filter"]: r["count"] for r in offers["funnel"]["removed"]}
     plan_filter = next(name for name in removed if name.startswith("GPU memory"))
-    assert removed[plan_filter] >= 1 and "(plan)" in plan_filter
+    # the profile's 24 GB card is the larger: the funnel says so, and what the plan needs, in GiB
+    assert removed[plan_filter] >= 1 and f"the plan needs {data['total_bytes'] / 2**30:.2f} GiB" in plan_filter
     assert all(o["gpu_name"] != "RTX A4000" for o in offers["offers"])
     tiny = json.loads(run_fleet(env, "offers", "--model", "tiny", "--region", "eu", "--json").stdout)
     assert any(o["gpu_name"] == "RTX A4000" for o in tiny["offers"])
@@ -298,7 +308,8 @@ async def test_up_uses_the_plan_filter(cloud, local_cloud_env, tmp_path):
     assert result.planned and all(o.gpu_ram_mb >= 20000 for o in result.planned)
 
 
-async def test_a_reset_header_range_is_tried_again(cloud, local_cloud_env, tmp_path):
+async def test_a_reset_header_range_is_tried_again(cloud, local_cloud_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "cache"))  # read from the hub, not from the disk
     cloud.set_faults({"pull_reset": {"after_bytes": 1000, "count": 1}})
     try:
         async with fleet_for(settings_for(tmp_path)) as fleet:

@@ -57,6 +57,8 @@ async def test_a_standby_host_is_probed_stopped_billed_for_its_disk_and_left_alo
             assert fleet.record.host(host.id).state == HostState.STANDBY
             [row] = fleet.status()
             assert row["state"] == "standby"
+            # what it bills now is its disk, and a stopped host has no endpoint that answers
+            assert row["usd_per_hour"] == host.storage_usd_per_hour and row["endpoint"] is None
         finally:
             destroyed = await fleet.destroy(None)  # `fleet destroy --all` takes the pool too
         assert await fleet.market.get(host.instance_id) is None

@@ -4,6 +4,7 @@ mapped to one line and an exit code (0 ok, 1 failed, 2 bad input), and progress 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Annotated, NoReturn, TypeVar
 
 import httpx
 import typer
+from rich.markup import escape
 
-from fleet.cli.render import err
+from fleet.cli.render import err, print_json
 from fleet.core import config
 from fleet.core.errors import BadInput, FleetError
 
@@ -44,7 +46,11 @@ def one_line(error: FleetError) -> str:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    """One line and the exit code; under --json the line is `{"error": ...}` on stdout, for scripts."""
+    if "--json" in sys.argv[1:]:
+        print_json({"error": message})
+    else:
+        err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -67,20 +73,26 @@ def run_async(make: Callable[[], Awaitable[T]]) -> T:
         fail("interrupted (what was being created has been destroyed)", 130)
 
 
-def checked_bring_up(
-    settings: config.Settings, model: str, region: str, count: int, max_price: float | None
-) -> config.Profile:
-    """The profile of an `up` or `standby`, after its arguments: one line and exit 2 for bad input."""
-    if count < 1:
-        fail("--count must be at least 1", 2)
+def checked_model_and_region(
+    settings: config.Settings, model: str, region: str, max_price: float | None = None
+) -> tuple[config.Profile, str]:
+    """The profile and the region as fleet records it (a country code in capitals), after the arguments:
+    one line and exit 2 for bad input."""
     if max_price is not None and max_price <= 0:
         fail("--max-price must be positive", 2)
     try:
-        profile = settings.profile(model)
-        settings.region(region)
+        return settings.profile(model), settings.region_name(region)
     except config.ConfigError as e:
         fail(str(e), 2)
-    return profile
+
+
+def checked_bring_up(
+    settings: config.Settings, model: str, region: str, count: int, max_price: float | None
+) -> tuple[config.Profile, str]:
+    """The profile and region of an `up` or `standby`, after its arguments: one line and exit 2 for bad input."""
+    if count < 1:
+        fail("--count must be at least 1", 2)
+    return checked_model_and_region(settings, model, region, max_price)
 
 
 class ConsoleReporter:

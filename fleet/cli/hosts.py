@@ -44,7 +44,7 @@ def up_cmd(
     """Rent the best passing offers (by expected $/voice-minute, or $/h with --by-price) and leave
     llama-server serving on them, verified."""
     settings = load_settings(config_path)
-    profile = checked_bring_up(settings, model, region, count, max_price)
+    profile, region = checked_bring_up(settings, model, region, count, max_price)
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:
@@ -92,7 +92,7 @@ def standby_cmd(
     """Fill the standby pool: bring hosts up exactly as `fleet up` does (weights pulled and verified, probes
     passed), then stop them. A stopped host keeps its disk and bills only for it; it is never published."""
     settings = load_settings(config_path)
-    checked_bring_up(settings, model, region, count, max_price)
+    _, region = checked_bring_up(settings, model, region, count, max_price)
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:

@@ -12,6 +12,7 @@ import typer
 from fleet.app import open_fleet
 from fleet.cli import render
 from fleet.cli.common import ConfigPath, JsonFlag, fail, load_settings, reporter, run_async
+from fleet.core import paths
 from fleet.core.errors import BadInput
 from fleet.core.models import utcnow
 from fleet.economics import report
@@ -96,7 +97,10 @@ def report_cmd(
         str, typer.Option("--since", help="Hosts created since: 30m, 6h, 2d or an ISO date (UTC).")
     ] = "24h",
     out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Where to write report.html and report.md (default: a new folder).")
+        Path | None,
+        typer.Option(
+            "--out", help="Where to write report.html and report.md (default: a new folder in fleet's state dir)."
+        ),
     ] = None,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
@@ -109,7 +113,7 @@ def report_cmd(
         start = report.parse_since(since, now)
     except BadInput as e:
         fail(str(e), 2)
-    target = out_dir or Path(f"fleet-report-{now:%Y%m%dT%H%M%SZ}")
+    target = out_dir or paths.state_dir() / "reports" / f"fleet-report-{now:%Y%m%dT%H%M%SZ}"
     if target.exists() and not target.is_dir():
         fail(f"--out {target}: exists and is not a folder", 2)
 

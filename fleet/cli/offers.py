@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from fleet.app import open_fleet
 from fleet.cli import render
-from fleet.cli.common import ByPrice, ConfigPath, JsonFlag, Model, Region, fail, load_settings, run_async
-from fleet.core import config
+from fleet.cli.common import (
+    ByPrice,
+    ConfigPath,
+    JsonFlag,
+    Model,
+    Region,
+    checked_model_and_region,
+    fail,
+    load_settings,
+    reporter,
+    run_async,
+)
+from fleet.core import config, paths
 from fleet.plan.memory import GIB
 
 
@@ -21,7 +31,9 @@ def offers_cmd(
     model: Model,
     region: Region,
     max_price: Annotated[float | None, typer.Option("--max-price", help="Highest $/h to show.")] = None,
-    save: Annotated[bool, typer.Option("--save", help="Write the raw answer into offers/ as a snapshot.")] = False,
+    save: Annotated[
+        bool, typer.Option("--save", help="Write the raw answer as a snapshot (into offers/ in fleet's state dir).")
+    ] = False,
     by_price: ByPrice = False,
     explain: Annotated[
         bool,
@@ -35,14 +47,10 @@ def offers_cmd(
     profile's slots; past failures, time to READY and the pull's traffic count against it), or by expected
     $/h with --by-price."""
     settings = load_settings(config_path)
-    try:
-        profile = settings.profile(model)
-        settings.region(region)
-    except config.ConfigError as e:
-        fail(str(e), 2)
+    profile, region = checked_model_and_region(settings, model, region, max_price)
 
     async def go() -> Any:
-        async with open_fleet(settings) as fleet:
+        async with open_fleet(settings, reporter(json_output)) as fleet:
             funnel = await fleet.offers(model, region, max_price, explain=explain)
             return funnel, fleet.rank(profile, funnel.passed, by_price, funnel.pull_gb)
 
@@ -50,8 +58,9 @@ def offers_cmd(
     saved = None
     if save:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        saved = Path("offers") / f"snapshot-{model}-{region}-{stamp}.json"
-        saved.parent.mkdir(exist_ok=True)
+        # not the repository's offers/: the local cloud loads that, and a snapshot there would shadow its own
+        saved = paths.state_dir() / "offers" / f"snapshot-{model}-{region}-{stamp}.json"
+        saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps([o.raw for o in funnel.offers], indent=1, sort_keys=True) + "\n")
     rows = [{**render.offer_row(o, profile), "expected": e.as_dict()} for o, e in ranked]
     if json_output:
@@ -96,7 +105,7 @@ def plan_cmd(
         fail(str(e), 2)
 
     async def go() -> Any:
-        async with open_fleet(settings) as fleet:
+        async with open_fleet(settings, reporter(json_output)) as fleet:
             return await fleet.plan(model, ctx, slots, swa_full)
 
     plan = run_async(go)

@@ -134,7 +134,11 @@ def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
         t.add_row("not on the card: input embedding (host memory)", gib(w.host))
     out.print(t)
     line(f"most slots per card: {', '.join(f'{gb} GB: {n}' for gb, n in max_slots.items())}")
-    line(f"read {p.bytes_fetched:,} bytes of {p.file_bytes:,} ({100 * p.bytes_fetched / max(p.file_bytes, 1):.3f}%)")
+    if p.bytes_fetched:
+        share = 100 * p.bytes_fetched / max(p.file_bytes, 1)
+        line(f"read {p.bytes_fetched:,} bytes of {p.file_bytes:,} ({share:.3f}%)")
+    else:
+        line(f"read no bytes of {p.file_bytes:,}: the headers were kept from an earlier read (by each file's sha256)")
 
 
 def attempts_and_ready(result: Any) -> None:
@@ -182,7 +186,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
             str(h["instance_id"] or "-"),
             h["gpu_name"],
             h["geolocation"][-2:],
-            f"{h['dph_total']:.3f}",
+            f"{h['usd_per_hour']:.3f}",
             f"{h['accrued_usd']:.4f}",
             "-" if h["capacity"] is None else f"{'>=' if h['capacity_at_least'] else ''}{h['capacity']}",
             "-" if h["usd_per_voice_minute"] is None else f"{h['usd_per_voice_minute']:.5f}",
@@ -303,6 +307,8 @@ def bench(host: str, waves: int, report: Any) -> None:
         )
     table(columns, rows, title=f"{host}: a voice call replayed, {waves} measured waves per level")
     held = report.capacity
+    if report.kept_capacity is not None:
+        line(f"(an earlier bench measured {report.kept_capacity} callers, more than this one tried: kept)")
     out.print(
         f"capacity: {'at least ' if held.exhausted else ''}{held.callers} concurrent callers at first content "
         f"p95 <= {target.first_content_p95_ms:g} ms and >= {target.decode_tok_s:g} tok/s per caller"

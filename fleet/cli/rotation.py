@@ -35,6 +35,8 @@ def health_cmd(
         render.print_json(rotation.as_dicts(reports))
     else:
         render.health(reports)
+    if any(not r.healthy for r in reports):
+        raise typer.Exit(1)
 
 
 def reprice_cmd(
@@ -68,7 +70,7 @@ def daemon_cmd(
 
     settings = load_settings(config_path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("apscheduler", "httpx", "asyncssh"):
+    for noisy in ("apscheduler", "httpx", "asyncssh", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         asyncio.run(daemon.serve(settings, str(settings.source.resolve()), metrics_port))

@@ -105,8 +105,10 @@ async def _run(
     runs it; the others skip it."""
     settings = config.load(config_path)
     async with open_context(settings, LogReporter()) as ctx:
-        if not ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID):
-            log.info("%s: this tick already runs on another daemon; skipped", job)
+        holder = ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID)
+        if holder is not None:
+            where = "here (a late run of the same tick)" if holder == DAEMON_ID else f"on daemon {holder}"
+            log.info("%s: this tick already ran %s; skipped", job, where)
             return
         await work(ctx)
 

@@ -32,3 +32,10 @@ async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
         (report.done if await destroy_host(ctx, host) else report.busy).append(host)
     publish_endpoints(ctx)
     return report
+
+
+async def destroy_all_on(ctx: Context, provider_url: str) -> DestroyReport:
+    """Every host of this record whose bill is open at that marketplace (`fleet cloud stop`: the local cloud
+    is going, and its hosts with it)."""
+    names = [h.name for h in ctx.record.open_hosts() if h.provider_url == provider_url]
+    return await destroy(ctx, names) if names else DestroyReport()

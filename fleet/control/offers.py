@@ -27,11 +27,12 @@ def criteria(
     excluded: set[int] | None = None,
     plan: Plan | None = None,
 ) -> offer_rules.Criteria:
+    plan_gib = plan.total_bytes() / GIB if plan else 0.0
     return offer_rules.Criteria(
         countries=frozenset(ctx.settings.region(region)),
         filters=ctx.settings.filters,
-        # a "24 GB" card reports 23.99 GiB
-        min_gpu_ram_gb=max(profile.gpu_ram_gb * 0.97, plan.total_bytes() / GIB if plan else 0.0),
+        min_gpu_ram_gb=max(profile.gpu_ram_gb * 0.97, plan_gib),  # a "24 GB" card reports 23.99 GiB
+        plan_gib=plan_gib,
         max_usd_per_hour=max_price,
         excluded_machines=frozenset(excluded or ()),
         compute_caps=COMPUTE_CAPS,

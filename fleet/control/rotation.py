@@ -123,7 +123,8 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     async def replace_one(host: Host, report: HealthReport) -> None:
         async with limit:
             why = report.reason if report.healthy else f"unhealthy: {report.reason}"
-            new = await replace(ctx, host, why, blacklist=report.blame)
+            # a dead host leaves the endpoints even when no replacement can be made (a cap, no offer)
+            new = await replace(ctx, host, why, blacklist=report.blame, retire_anyway=not report.healthy)
             report.replaced_by = new.name if new else None
 
     await asyncio.gather(*(replace_one(h, r) for h, r in doomed))
@@ -149,16 +150,27 @@ async def thermal_sweep(ctx: Context) -> list[HealthReport]:
 
 
 async def replace(
-    ctx: Context, old: Host, reason: str, *, blacklist: bool, max_effective_price: float | None = None
+    ctx: Context,
+    old: Host,
+    reason: str,
+    *,
+    blacklist: bool,
+    max_effective_price: float | None = None,
+    retire_anyway: bool = False,
 ) -> Host | None:
     """Make before break: the new host READY and published first; then the old one drains and goes.
-    Returns None, touching nothing, when another process works on the old host or it left READY."""
+    Returns None, touching nothing, when another process works on the old host or it left READY. When no
+    replacement comes up, the old host stays, unless `retire_anyway` (it is dead: it serves no one)."""
     current = ctx.record.host(old.id) if old.id is not None else None
     if current is None or current.state != HostState.READY or not ctx.leases.claim(current):
         ctx.reporter.info(old.name, "another process works on this host, or it left READY; skipped")
         return None
     try:
-        return await _replace(ctx, current, reason, blacklist=blacklist, max_effective_price=max_effective_price)
+        new = await _replace(ctx, current, reason, blacklist=blacklist, max_effective_price=max_effective_price)
+        if new is None and retire_anyway and current.state == HostState.READY:
+            ctx.reporter.info(old.name, "no replacement came up; retired all the same: a dead host serves no one")
+            await retire(ctx, current, reason, blacklist=blacklist)
+        return new
     finally:
         if current.destroyed_at is None:
             ctx.leases.release(current)

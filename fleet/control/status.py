@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from fleet.context import Context
-from fleet.core.models import LIVE_STATES, Host, as_utc, utcnow
+from fleet.core.models import LIVE_STATES, POOL, Host, as_utc, utcnow
 from fleet.economics.bill import accrued_usd
 from fleet.economics.machines import MachineRecord, remember
 from fleet.economics.report import Session, gather
@@ -44,10 +44,11 @@ def host_summary(h: Host) -> dict[str, Any]:
         "offer_id": h.offer_id,
         "gpu_name": h.gpu_name,
         "geolocation": h.geolocation,
-        "dph_total": h.dph_total,
+        "dph_total": h.dph_total,  # what it costs an hour running
+        "usd_per_hour": h.storage_usd_per_hour if h.state in POOL else h.dph_total,  # what it bills an hour now
         "effective_usd_per_hour": h.effective_usd_per_hour,
         "accrued_usd": h.accrued_usd if h.accrued_usd is not None else accrued_usd(h),
-        "endpoint": h.api_url,
+        "endpoint": None if h.state in POOL else h.api_url,  # a stopped host answers nothing
         "slots": h.slots,
         "created_at": h.created_at.isoformat(),
         "ready_at": h.ready_at.isoformat() if h.ready_at else None,

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleet.core import paths
+from fleet.core.countries import ISO_3166_ALPHA_2
 from fleet.core.errors import BadInput
 
 DEFAULT_CONFIG = "fleet.toml"
@@ -61,7 +63,7 @@ class Hub(Strict):
 
 
 class Database(Strict):
-    path: str = "~/.local/state/fleet/fleet.db"
+    path: str | None = None  # the SQLite file; default: fleet.db in fleet's state directory (core/paths.py)
     # PostgreSQL instead of SQLite, for several daemons: postgresql+psycopg://user@host:port/db.
     # FLEET_DATABASE_URL overrides it (a password belongs in the environment, not in this file).
     url: str | None = None
@@ -75,7 +77,7 @@ class Database(Strict):
 
     @property
     def file(self) -> Path:
-        return Path(os.path.expanduser(self.path))
+        return Path(os.path.expanduser(self.path)) if self.path else paths.state_dir() / "fleet.db"
 
     @property
     def target(self) -> Path | str:
@@ -258,7 +260,7 @@ class Rotation(Strict):
     drain_timeout_s: Annotated[float, Field(ge=0)] = 120
     reprice_min_percent: Annotated[float, Field(ge=0)] = 10
     reprice_min_usd_per_month: Annotated[float, Field(ge=0)] = 10
-    endpoints_file: str = "~/.local/state/fleet/endpoints.json"
+    endpoints_file: str | None = None  # default: endpoints.json in fleet's state directory
     health_every_s: Annotated[float, Field(gt=0)] = 60
     reconcile_every_s: Annotated[float, Field(gt=0)] = 600
     thermal_every_s: Annotated[float, Field(ge=0)] = 21600  # thermal re-probes of READY hosts (0: never)
@@ -271,7 +273,9 @@ class Rotation(Strict):
 
     @property
     def endpoints_path(self) -> Path:
-        return Path(os.path.expanduser(self.endpoints_file))
+        if self.endpoints_file:
+            return Path(os.path.expanduser(self.endpoints_file))
+        return paths.state_dir() / "endpoints.json"
 
 
 class Probes(Strict):
@@ -326,9 +330,9 @@ class Settings(Strict):
         for name, codes in v.items():
             if not re.fullmatch(NAME, name):
                 raise ValueError(f"{name!r}: a region name is letters, digits, '_', '.' and '-' (at most 64)")
-            bad = [c for c in codes if not re.fullmatch(r"[A-Z]{2}", c)]
+            bad = [c for c in codes if c not in ISO_3166_ALPHA_2]
             if bad:
-                raise ValueError(f"{name}: country codes must be two capital letters, not {bad}")
+                raise ValueError(f"{name}: not ISO 3166 country codes (two capital letters): {bad}")
         return v
 
     @model_validator(mode="after")
@@ -350,12 +354,18 @@ class Settings(Strict):
         return self.models[name]
 
     def region(self, name: str) -> list[str]:
+        """The country codes of a region of fleet.toml, or of one country code (any case)."""
+        return self.regions.get(name) or [self.region_name(name)]
+
+    def region_name(self, name: str) -> str:
+        """The region as fleet records it: a name of fleet.toml's, or an ISO 3166 country code in capitals."""
         if name in self.regions:
-            return self.regions[name]
-        if re.fullmatch(r"[A-Z]{2}", name):
-            return [name]
+            return name
+        if name.upper() in ISO_3166_ALPHA_2:
+            return name.upper()
         raise ConfigError(
-            f"{self.source}: no region {name!r} (have: {', '.join(sorted(self.regions))}, or a two-letter country code)"
+            f"{self.source}: no region {name!r} (have: {', '.join(sorted(self.regions))}, or an ISO 3166 country "
+            "code such as DE)"
         )
 
     def hub_url(self, local_cloud_url: str | None) -> str:
@@ -378,9 +388,15 @@ def load(path: Path | str | None = None) -> Settings:
     """Read and validate fleet.toml (FLEET_CONFIG or ./fleet.toml when no path is given)."""
     path = Path(path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file (pass --config or set FLEET_CONFIG)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a folder, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     models = raw.get("models")

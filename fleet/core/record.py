@@ -343,13 +343,15 @@ class Record:
         with session(self.engine) as s:
             return s.exec(select(Install.install_id)).one()
 
-    def claim_tick(self, job: str, tick: int, daemon: str) -> bool:
-        """True for the one caller that gets to run `job` at `tick`; the others find it taken."""
+    def claim_tick(self, job: str, tick: int, daemon: str) -> str | None:
+        """Claim `job` at `tick` for `daemon`: None when it got it, else the daemon that had it first."""
         try:
             self.add(JobRun(job=job, tick=tick, daemon=daemon))
         except IntegrityError:
-            return False
-        return True
+            with session(self.engine) as s:
+                row = s.get(JobRun, (job, tick))
+                return row.daemon if row is not None else "unknown"
+        return None
 
     def blacklist(self) -> list[Blacklist]:
         with session(self.engine) as s:

@@ -30,6 +30,7 @@ class Criteria:
     compute_caps: tuple[int, ...] = ()  # the cards the engine's build runs (empty: any)
     contract_ends_after: float = 0.0  # epoch s: an offer's contract must outlast this
     pull_gb: float = 0.0  # the profile's files: every bring-up downloads them, at the offer's $/GB
+    plan_gib: float = 0.0  # what the plan needs on the card (min_gpu_ram_gb is the larger of it and the card's)
 
 
 @dataclass
@@ -91,9 +92,10 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
         checks.append(
             (f"download >= {f.min_inet_down_mbps:g} Mbit/s", lambda o: o.inet_down_mbps >= f.min_inet_down_mbps)
         )
+    why = "the plan" if c.plan_gib >= c.min_gpu_ram_gb else f"the profile's card; the plan needs {c.plan_gib:.2f} GiB"
     checks.append(
         (
-            f"GPU memory >= {c.min_gpu_ram_gb:.2f} GiB (plan)",
+            f"GPU memory >= {c.min_gpu_ram_gb:.2f} GiB ({why})",
             lambda o: o.gpu_ram_mb * o.num_gpus / 1024 >= c.min_gpu_ram_gb,
         )
     )

@@ -49,10 +49,12 @@ def parse_since(text: str, now: datetime) -> datetime:
         unit = {"m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
         return now - timedelta(**{unit: int(m.group(1))})
     try:
-        moment = datetime.fromisoformat(text.strip())
+        moment = as_utc(datetime.fromisoformat(text.strip()))
     except ValueError:
         raise BadInput(f"--since {text!r}: give 30m, 6h, 2d or an ISO date like 2026-12-01T09:00") from None
-    return as_utc(moment)
+    if moment > now:
+        raise BadInput(f"--since {text!r}: that is in the future (now is {now:%Y-%m-%d %H:%M} UTC)")
+    return moment
 
 
 def gather(

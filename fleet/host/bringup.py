@@ -201,7 +201,8 @@ class BringUp:
         self.ctx.record.update(
             self.host, ssh_host=endpoint[0], ssh_port=endpoint[1], host_key=host_key, connected_at=utcnow()
         )
-        self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); pulling weights")
+        then = "checking the weights it kept" if self.resume else "pulling weights"
+        self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); {then}")
 
     async def pull(self) -> None:
         assert self.conn is not None

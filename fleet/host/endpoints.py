@@ -16,6 +16,7 @@ def endpoints(ctx: Context) -> list[dict[str, Any]]:
         {
             "name": h.name,
             "url": h.api_url,
+            "base_url": f"{h.api_url}/v1",  # what the OpenAI SDK takes as base_url
             "model": h.model,
             "slots": h.slots,
             "region": h.region,

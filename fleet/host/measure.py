@@ -37,6 +37,7 @@ class BenchReport:
     levels: list[LevelResult]
     capacity: Capacity
     usd_per_voice_minute: float | None
+    kept_capacity: int | None = None  # an earlier bench's capacity, more than this one tested: kept
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +46,7 @@ class BenchReport:
             "levels": [lv.as_dict() for lv in self.levels],
             "capacity": self.capacity.as_dict(),
             "usd_per_voice_minute": self.usd_per_voice_minute,
+            "kept_capacity": self.kept_capacity,
         }
 
 
@@ -122,6 +124,13 @@ async def bench(
         search=lambda most: lambda measured: next_level(measured, target, most),
     )
     held = capacity({lv.callers: lv for lv in levels}, target, max_callers or max(lv.callers for lv in levels))
+    earlier = ctx.record.latest_bench([host.id]).get(host.id)
+    kept = None
+    if held.exhausted and earlier is not None and earlier.capacity > held.callers:
+        # this bench held at every level it tried, and tried fewer callers than the host was measured to
+        # hold: it says nothing against that capacity, which stays
+        kept = earlier.capacity
+        held = Capacity(earlier.capacity, target, earlier.capacity_at_least, held.held, None, None)
     cost = usd_per_voice_minute(host.effective_usd_per_hour, held.callers)
     ctx.record.add(
         BenchRun(
@@ -134,7 +143,7 @@ async def bench(
             levels=json.dumps([lv.as_dict() for lv in levels]),
         )
     )
-    return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost)
+    return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost, kept)
 
 
 def serving_host(ctx: Context, name: str) -> Host:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from fleet.context import Context
+from fleet.core import paths
 from fleet.core.config import Profile
 from fleet.core.models import Host
 from fleet.plan import gguf
@@ -20,10 +21,23 @@ def file_url(ctx: Context, repo: str, revision: str, filename: str) -> str:
 
 
 async def header(ctx: Context, url: str) -> GgufHeader:
+    """The GGUF header at `url`: kept for the process, and on disk by the file's sha256 (a 16 MB header is
+    read from the hub once per machine, not once per command)."""
     if url not in ctx.headers:
         token = os.environ.get(ctx.settings.hub.token_env, "")
+        name = url.rsplit("/", 1)[-1]
+
+        def progress(done: int) -> None:
+            if done > gguf.FIRST_RANGE:
+                ctx.reporter.info("plan", f"reading {name}'s GGUF header: {done / 1e6:.1f} MB so far")
+
         async with ctx.waits.on("hub"):
-            ctx.headers[url] = await gguf.read_url(url, {"Authorization": f"Bearer {token}"} if token else None)
+            ctx.headers[url] = await gguf.read_url(
+                url,
+                {"Authorization": f"Bearer {token}"} if token else None,
+                cache=paths.cache_dir() / "gguf-headers",
+                progress=progress,
+            )
     return ctx.headers[url]
 
 

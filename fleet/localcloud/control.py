@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from fleet.core import paths
 from fleet.core.errors import FleetError
 
 
@@ -37,11 +38,9 @@ class CloudInfo:
 
 
 def default_state_dir() -> Path:
+    """$FLEET_LOCALCLOUD_DIR, else `localcloud` in fleet's state directory (core/paths.py)."""
     explicit = os.environ.get("FLEET_LOCALCLOUD_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "fleet" / "localcloud"
+    return Path(explicit) if explicit else paths.state_dir() / "localcloud"
 
 
 def _alive(pid: int) -> bool:

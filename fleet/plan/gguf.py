@@ -9,7 +9,10 @@ its first byte, never downloaded. The bytes fetched are counted.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,17 +194,32 @@ def read_local(path: Path) -> GgufHeader:
             return header
 
 
-async def read_url(url: str, headers: dict[str, str] | None = None, timeout_s: float = 60.0) -> GgufHeader:
-    """The header of a remote GGUF, by HTTP ranges only (redirects followed, ranges required)."""
+async def read_url(
+    url: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    cache: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> GgufHeader:
+    """The header of a remote GGUF, by HTTP ranges only (redirects followed, ranges required). With `cache`,
+    the header's bytes are kept there by the file's sha256 (the hub's X-Linked-Etag): a file read once is
+    never read again. `progress` hears the bytes fetched so far after each range."""
     fetched = b""
     size: int | None = None
     target = url
     async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s, headers=headers or {}) as client:
+        kept = await _kept(client, url, cache) if cache is not None else None
+        if kept is not None and kept.exists():
+            header = parse(kept.read_bytes())
+            header.source, header.file_size = url, int(kept.stem.split("-")[1])
+            return header
         upto = FIRST_RANGE
         while True:
             if len(fetched) < upto:
                 chunk, size, target = await _range(client, target, len(fetched), upto - 1, url)
                 fetched += chunk
+                if progress is not None:
+                    progress(len(fetched))
             try:
                 header = parse(fetched)
             except _NeedMore as e:
@@ -214,7 +232,26 @@ async def read_url(url: str, headers: dict[str, str] | None = None, timeout_s: f
                     upto = min(upto, size)
                 continue
             header.file_size, header.bytes_fetched, header.source = size, len(fetched), url
+            if kept is not None and size is not None and kept.stem.endswith(f"-{size}"):
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                partial = kept.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_bytes(fetched[: header.header_bytes])
+                os.replace(partial, kept)
             return header
+
+
+async def _kept(client: httpx.AsyncClient, url: str, cache: Path) -> Path | None:
+    """Where this file's header is kept: by the sha256 and size the hub states for it (None when it states
+    none: a header that may change is never kept)."""
+    try:
+        r = await client.head(url, follow_redirects=False)
+    except httpx.HTTPError:
+        return None
+    sha256 = (r.headers.get("X-Linked-Etag") or "").strip('"')
+    size = r.headers.get("X-Linked-Size") or ""
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256) or not size.isdigit():
+        return None
+    return cache / f"{sha256}-{size}.gguf-header"
 
 
 async def _range(
