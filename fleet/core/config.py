@@ -6,27 +6,45 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fleet.core import paths
 from fleet.core.countries import ISO_3166_ALPHA_2
 from fleet.core.errors import BadInput
 
+# A profile's own models live in profiles.py; fleet.toml's settings hold them, so they are named here too.
+from fleet.core.profiles import (
+    NAME,
+    TURN_SHAPES,
+    ModelFile,
+    Profile,
+    ProfileProbes,
+    Strict,
+    Traffic,
+    VoiceTarget,
+)
+
+__all__ = [
+    "TURN_SHAPES",
+    "ConfigError",
+    "ModelFile",
+    "Profile",
+    "ProfileProbes",
+    "Settings",
+    "Traffic",
+    "VoiceTarget",
+    "load",
+]
+
 DEFAULT_CONFIG = "fleet.toml"
-# The turn shapes of a voice call the renderings check renders (fleet/probes/renderings.py builds each).
-TURN_SHAPES = ("plain", "tool call", "tool result", "text before call", "whitespace", "multi-call")
 LOCAL = "local"
 HUGGING_FACE = "https://huggingface.co"
 
 
 class ConfigError(BadInput, ValueError):
     """A config problem: one line that names the file and the key."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Provider(Strict):
@@ -132,112 +150,6 @@ class Up(Strict):
     # A process working on a host (bringing it up, draining, destroying) holds it for this long and renews
     # it every third of it; housekeeping in other processes leaves it alone until it runs out.
     lease_s: Annotated[float, Field(ge=3, le=3600)] = 60
-
-
-class Traffic(Strict):
-    up: Annotated[float, Field(ge=0)] = 0.0
-    down: Annotated[float, Field(ge=0)] = 0.0
-
-
-# Names that end up in URLs, file paths on hosts, labels and host names: plain ASCII words that start with a
-# letter, a digit or "_", so never "." or ".." (a path that climbs out).
-NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
-PATH_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,95}"
-
-
-class ModelFile(Strict):
-    key: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
-    repo: Annotated[str, Field(pattern=rf"^{PATH_PART}/{PATH_PART}$")]
-    file: Annotated[str, Field(pattern=rf"^{PATH_PART}$")]
-    revision: Annotated[str, Field(pattern=rf"^{PATH_PART}(?:/{PATH_PART})*$")] = "main"
-
-
-class ProfileProbes(Strict):
-    """How big the probes' conversations are for this model (a real card vs the tiny CPU model)."""
-
-    on_up: list[Literal["smoke", "cache", "keepalive", "thermal"]] = ["smoke", "cache", "keepalive", "thermal"]
-    system_chars: Annotated[int, Field(ge=0)] = 28000  # ~7k tokens of system prompt, as a voice agent sends
-    turns: Annotated[int, Field(ge=2)] = 4
-    reply_tokens: Annotated[int, Field(ge=1)] = 32
-    rewrite_reply_tokens: Annotated[int, Field(ge=0)] = 300  # 0: skip the rewritten-turn check
-    thermal_seconds: Annotated[float, Field(gt=0)] = 300
-    thermal_interval_s: Annotated[float, Field(gt=0)] = 5
-    thermal_tokens: Annotated[int, Field(ge=8)] = 256
-
-
-class VoiceTarget(Strict):
-    """What a voice caller needs from a warm turn (DOMAIN.md, the workload): first content well under a
-    second, and decode comfortably faster than speech (~4.5 tok/s). `fleet bench` finds how many
-    concurrent callers a host holds while meeting it: the host's capacity."""
-
-    first_content_p95_ms: Annotated[float, Field(gt=0)] = 500
-    decode_tok_s: Annotated[float, Field(gt=0)] = 15
-
-
-class Profile(Strict):
-    name: str = ""
-    description: str = ""
-    gpu_ram_gb: Annotated[float, Field(ge=0)]
-    disk_gb: Annotated[float, Field(ge=8)]
-    slots: Annotated[int, Field(ge=1)]
-    ctx_per_slot: Annotated[int, Field(ge=256)]
-    traffic_gb_per_hour: Traffic = Traffic()
-    files: Annotated[list[ModelFile], Field(min_length=1)]
-    args: list[str] = []
-    # The chat template llama-server uses (--chat-template-file): a file fleet ships (fleet/templates/),
-    # named by file name, or a path (relative to fleet.toml); none: the one in the model file
-    chat_template: str | None = None
-    # turn shapes (fleet/probes/renderings.py) whose prompt-cache break this profile lives with
-    accept_template_breaks: list[str] = []
-    probes: ProfileProbes = ProfileProbes()
-    voice: VoiceTarget = VoiceTarget()
-    # GPU memory llama.cpp takes beyond weights and cache with this profile's flags (the CUDA context and its
-    # libraries, the compute buffers of the target and any draft), as `bench/gpu/run plan` measured it; its
-    # compute buffers follow ggml's allocator, not the header. Unset: [plan] runtime_overhead_mib.
-    runtime_mib: Annotated[float | None, Field(ge=0)] = None
-
-    @field_validator("chat_template")
-    @classmethod
-    def _chat_template(cls, v: str | None) -> str | None:
-        if v is not None and (not v or any(c in v for c in "\0\n\r")):
-            raise ValueError("an empty name, a NUL or a line break")
-        if v is not None and "/" not in v and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}\.jinja", v):
-            raise ValueError(f"{v!r}: a file fleet ships is named NAME.jinja (a path of yours holds a '/')")
-        return v
-
-    @field_validator("accept_template_breaks")
-    @classmethod
-    def _accepted_shapes(cls, v: list[str]) -> list[str]:
-        unknown = [s for s in v if s not in TURN_SHAPES]
-        if unknown:
-            raise ValueError(f"{unknown}: the turn shapes are {', '.join(TURN_SHAPES)}")
-        return v
-
-    @model_validator(mode="after")
-    def _files(self) -> Profile:
-        keys = [f.key for f in self.files]
-        if "main" not in keys:
-            raise ValueError("files: one file must have key = 'main'")
-        if len(set(keys)) != len(keys):
-            raise ValueError("files: keys must be unique")
-        for arg in self.args:
-            if any(c in arg for c in "\0\n\r"):
-                raise ValueError(f"args: {arg!r} holds a NUL or a line break")
-            for ref in re.findall(r"\{file\.([^}]*)\}", arg):
-                if ref not in keys:
-                    raise ValueError(f"args: {{file.{ref}}} names no file")
-        for forbidden in ("--api-key", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template"):
-            if forbidden in self.args:
-                raise ValueError(
-                    f"args: {forbidden} is set by fleet, not the profile"
-                    + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
-                )
-        # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
-        if "-np" in self.args and self.args[self.args.index("-np") + 1 :][:1] != [str(self.slots)]:
-            raise ValueError(f"args: -np must equal slots ({self.slots})")
-        if "-c" in self.args and self.args[self.args.index("-c") + 1 :][:1] != [str(self.slots * self.ctx_per_slot)]:
-            raise ValueError(f"args: -c must equal slots x ctx_per_slot ({self.slots * self.ctx_per_slot})")
-        return self
 
 
 class PlanConfig(Strict):
