@@ -28,7 +28,9 @@ def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
         update[name] = current.model_copy(update=values)
     update.setdefault(
         "timeouts",
-        base.timeouts.model_copy(update={"create_to_running": 20, "ssh": 20, "pull": 60, "load": 30, "probes": 30}),
+        # a test bed's deadlines, with room for a busy machine (a second core hogged): dead hosts still fail
+        # in seconds where it matters, by their own signs, not by these
+        base.timeouts.model_copy(update={"create_to_running": 60, "ssh": 60, "pull": 60, "load": 30, "probes": 60}),
     )
     return base.model_copy(update=update)
 

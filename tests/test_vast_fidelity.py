@@ -293,14 +293,27 @@ async def wait_for_file(conn: asyncssh.SSHClientConnection, path: str) -> None:
 
 
 async def interactive_tmux(conn: asyncssh.SSHClientConnection) -> bool:
-    """Open an interactive login (a PTY, no command) and ask whether it runs inside tmux."""
+    """Open an interactive login (a PTY, no command) and ask whether it runs inside tmux. A busy machine may
+    start tmux after the question was typed, and the question is lost: it is asked again until answered."""
     process = await conn.create_process(term_type="xterm", term_size=(120, 40))
-    process.stdin.write('echo "TMUX=[${TMUX:+yes}]"; exit\n')  # the terminal echoes this line as typed, too
+    question = 'echo "TMUX=[${TMUX:+yes}]"\n'  # the terminal echoes this line as typed, too
     output = ""
     try:
-        async with asyncio.timeout(10):
-            while not (answer := re.search(r"TMUX=\[(yes)?\]", output)):
-                output += await process.stdout.read(4096)
+        for _ in range(6):
+            process.stdin.write(question)
+            try:
+                async with asyncio.timeout(5):
+                    while not (answer := re.search(r"TMUX=\[(yes)?\]", output)):
+                        more = await process.stdout.read(4096)
+                        if not more:  # the session ended: ask no more
+                            raise AssertionError(f"the login ended before it answered: {output!r}")
+                        output += more
+                break
+            except TimeoutError:
+                continue
+        else:
+            raise AssertionError(f"no answer from the login: {output!r}")
+        process.stdin.write("exit\n")
     finally:
         process.close()
     return answer.group(1) == "yes"

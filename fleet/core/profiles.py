@@ -45,6 +45,8 @@ class ProfileProbes(Strict):
     thermal_seconds: Annotated[float, Field(gt=0)] = 300
     thermal_interval_s: Annotated[float, Field(gt=0)] = 5
     thermal_tokens: Annotated[int, Field(ge=8)] = 256
+    # one-caller rates measured at least, however long they take on a busy card: a share needs several
+    thermal_min_samples: Annotated[int, Field(ge=2)] = 3
 
 
 class VoiceTarget(Strict):

@@ -57,6 +57,7 @@ async def run_probes(
                 seconds=p.thermal_seconds,
                 interval_s=p.thermal_interval_s,
                 tokens=p.thermal_tokens,
+                min_samples=p.thermal_min_samples,
                 min_share=limits.thermal_min_share,
                 max_gpu_c=limits.thermal_max_gpu_c,
                 max_memory_c=limits.thermal_max_memory_c,

@@ -186,7 +186,10 @@ async def run_thermal(
     min_share: float,
     max_gpu_c: float,
     max_memory_c: float,
+    min_samples: int = 3,
 ) -> tuple[ProbeResult, list[RatePoint], list[CardPoint]]:
+    """The load on, a one-caller rate every `interval_s` for `seconds`, and at least `min_samples` of them
+    however long they take; then judged by share and temperature."""
     started = time.monotonic()
     rates: list[RatePoint] = []
     cards: list[CardPoint] = []
@@ -203,9 +206,9 @@ async def run_thermal(
             rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(base_url, api_key, tokens)))
             await take_card()
             left = seconds - (time.monotonic() - started)
-            if left <= 0:
+            if left <= 0 and len(rates) >= min_samples:
                 break
-            await asyncio.sleep(min(interval_s, left))
+            await asyncio.sleep(min(interval_s, max(left, 0.0)))
     finally:
         await load.close()
     result = judge_thermal(rates, cards, min_share, max_gpu_c, max_memory_c, load.count)
