@@ -240,7 +240,8 @@ async def test_a_server_ignoring_ranges_is_refused_without_a_download(odd_server
         await ggufhead.read_url("http://127.0.0.1:9/none.gguf")
 
 
-async def test_plan_reads_under_one_percent_of_the_replica_from_the_hub(cloud, local_cloud_env, tmp_path):
+async def test_plan_reads_under_one_percent_of_the_replica_from_the_hub(cloud, local_cloud_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "cache"))  # no header kept from an earlier read
     async with cloud.client() as api:
         before = (await api.get("/admin/hub-stats")).json()["bytes_served"]
     async with fleet_for(settings_for(tmp_path)) as fleet:
