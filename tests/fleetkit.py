@@ -3,6 +3,7 @@ pointed at the module's local cloud."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -88,3 +89,10 @@ async def ranked_offers(settings: config.Settings) -> list:
 async def first_machine(settings: config.Settings) -> int:
     """The machine `fleet up` would rent first."""
     return (await ranked_offers(settings))[0].machine_id
+
+
+def cli_env(cloud, tmp: Path) -> dict[str, str]:
+    """The environment a `fleet` command runs with in a test: the repo's fleet.toml with its database in `tmp`,
+    and the module's local cloud (its faults cleared)."""
+    cloud.set_faults({})
+    return {**os.environ, "FLEET_CONFIG": str(write_config(tmp)), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fleet.localcloud import procs
-from tests.fleetkit import write_config
+from tests.fleetkit import cli_env, write_config
 from tests.helpers import host_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def env(cloud, tmp_path):
-    cloud.set_faults({})
-    return {
-        **os.environ,
-        "FLEET_CONFIG": str(write_config(tmp_path)),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-    }
+    return cli_env(cloud, tmp_path)
 
 
 def fleet(env, *args, stdin=subprocess.DEVNULL):

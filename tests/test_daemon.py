@@ -29,6 +29,21 @@ FAST = "\n".join(
 )
 
 
+def daemon_config(cloud, tmp_path, extra: str = "") -> dict[str, str]:
+    """The repo's fleet.toml with a fast [rotation] (and `extra`), and the env a daemon and commands run with."""
+    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
+    # the repo's [rotation] table is replaced by the fast one
+    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
+    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n' + extra
+    (tmp_path / "fleet.toml").write_text(text)
+    return {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 def fleet(env, *args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
@@ -46,17 +61,7 @@ def ready_and_old(db_path, old_name) -> list[tuple[str, str]]:
 
 
 async def test_daemon_replaces_a_dead_host_and_stops_cleanly(cloud, tmp_path):
-    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
-    # the repo's [rotation] table is replaced by the fast one for this test
-    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
-    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
-    (tmp_path / "fleet.toml").write_text(text)
-    env = {
-        **os.environ,
-        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = daemon_config(cloud, tmp_path)
     up = fleet(env, "up", "--model", "tiny", "--region", "eu")
     assert up.returncode == 0, up.stderr
     [host] = json.loads(fleet(env, "status", "--json").stdout)
@@ -122,17 +127,8 @@ def states(db_path) -> list[str]:
 
 
 def test_daemon_keeps_a_serve_target_and_its_standby_pool(cloud, tmp_path):
-    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
-    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
-    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
-    text += '\n[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 1\nheadroom = 0.0\nstandby = 1\n'
-    (tmp_path / "fleet.toml").write_text(text)
-    env = {
-        **os.environ,
-        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-        "PYTHONUNBUFFERED": "1",
-    }
+    serve = '\n[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 1\nheadroom = 0.0\nstandby = 1\n'
+    env = daemon_config(cloud, tmp_path, serve)
     log = (tmp_path / "daemon.log").open("w")
     daemon = subprocess.Popen(
         [sys.executable, "-m", "fleet.cli", "daemon", "--metrics-port", "0"],
@@ -178,17 +174,9 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
     a person and their scripts do): no job fails, and the database passes SQLite's integrity check. Closing
     any descriptor of the database file drops every POSIX lock the process holds on it, so a process that
     opens the file behind SQLite's back lets another one delete the WAL under the daemon."""
-    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
-    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
-    text = text.replace("reconcile_every_s = 3600", "reconcile_every_s = 2")
-    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n'
-    (tmp_path / "fleet.toml").write_text(text)
-    env = {
-        **os.environ,
-        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = daemon_config(cloud, tmp_path)
+    config = tmp_path / "fleet.toml"
+    config.write_text(config.read_text().replace("reconcile_every_s = 3600", "reconcile_every_s = 2"))
     assert fleet(env, "up", "--model", "tiny", "--region", "eu").returncode == 0
     db_path = tmp_path / "fleet.db"
     log = (tmp_path / "daemon.log").open("w")

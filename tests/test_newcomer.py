@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleetkit import ROOT, write_config
+from tests.fleetkit import ROOT, cli_env, write_config
 from tests.helpers import kill_llama_server
 
 
@@ -24,12 +24,7 @@ def fleet(env, *args, timeout=180):
 
 @pytest.fixture
 def env(cloud, tmp_path):
-    cloud.set_faults({})
-    return {
-        **os.environ,
-        "FLEET_CONFIG": str(write_config(tmp_path)),
-        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
-    }
+    return cli_env(cloud, tmp_path)
 
 
 def one_line(result) -> str:

@@ -280,30 +280,29 @@ class NotFound(MarketError):
     pass
 
 
+# (OfferQuery's field, the search's column, its operator): the filters fleet would apply anyway
+_QUALITY = (
+    ("min_reliability", "reliability2", "gt"),
+    ("min_cuda", "cuda_max_good", "gte"),
+    ("min_disk_gb", "disk_space", "gte"),
+    ("min_direct_ports", "direct_port_count", "gte"),
+    ("max_inet_usd_per_gb", "inet_up_cost", "lte"),
+    ("max_inet_usd_per_gb", "inet_down_cost", "lte"),
+    ("min_duration_s", "duration", "gte"),
+    ("min_inet_down_mbps", "inet_down", "gte"),
+    ("max_dph_total", "dph_total", "lte"),
+)
+
+
 def _quality_filters(query: OfferQuery) -> dict[str, Any]:
     """The search's filters for what fleet would refuse anyway (vast-cli's query fields and operators)."""
-    found: dict[str, Any] = {}
-    if query.min_reliability is not None:
-        found["reliability2"] = {"gt": query.min_reliability}
-    if query.min_cuda is not None:
-        found["cuda_max_good"] = {"gte": query.min_cuda}
-    if query.min_disk_gb is not None:
-        found["disk_space"] = {"gte": query.min_disk_gb}
-    if query.min_direct_ports is not None:
-        found["direct_port_count"] = {"gte": query.min_direct_ports}
-    if query.max_inet_usd_per_gb is not None:
-        found["inet_up_cost"] = {"lte": query.max_inet_usd_per_gb}
-        found["inet_down_cost"] = {"lte": query.max_inet_usd_per_gb}
+    found: dict[str, Any] = {
+        column: {op: getattr(query, field)} for field, column, op in _QUALITY if getattr(query, field) is not None
+    }
     if query.verified_only:
         found["verified"] = {"eq": True}
     if query.compute_caps:
         found["compute_cap"] = {"in": list(query.compute_caps)}
-    if query.min_duration_s is not None:
-        found["duration"] = {"gte": query.min_duration_s}
-    if query.min_inet_down_mbps is not None:
-        found["inet_down"] = {"gte": query.min_inet_down_mbps}
-    if query.max_dph_total is not None:
-        found["dph_total"] = {"lte": query.max_dph_total}
     return found
 
 
