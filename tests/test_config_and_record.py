@@ -40,6 +40,7 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
     assert argv[:2] == ["-m", "models/a.gguf"]
     assert argv[argv.index("-md") + 1] == "models/d.gguf"
     assert argv[-4:] == ["--port", "41000", "-a", "a4b"]
+    assert {"--no-slots", "--no-webui", "--metrics"} <= set(argv)  # no transcript through /slots, drain by /metrics
     assert argv[argv.index("--chat-template-file") + 1] == "fleet-run/chat-template.jinja"
     assert not any("{file." in a for a in argv)
     assert "--chat-template-file" not in server_argv(settings.profile("tiny"), 41000, {"main": "m.gguf"})

@@ -14,6 +14,7 @@ import pytest
 from fleet.control.up import UpRequest
 from fleet.core.config import VoiceTarget
 from fleet.economics.capacity import judge_level
+from fleet.engines.llama_server import requests_processing
 from fleet.probes.template import TemplateError, bundled
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_soon
@@ -136,8 +137,8 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
             async with httpx.AsyncClient(base_url=host.api_url, headers=headers, timeout=10) as client:
                 await asyncio.sleep(1.0)  # the load callers are connected and decoding by now
                 while not probe.done():
-                    slots = (await client.get("/slots")).raise_for_status().json()
-                    busy.append(sum(1 for s in slots if s.get("is_processing")))
+                    metrics = (await client.get("/metrics")).raise_for_status().text
+                    busy.append(requests_processing(metrics) or 0)
                     await asyncio.sleep(0.05)
             [thermal] = await probe
         finally:

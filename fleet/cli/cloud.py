@@ -30,7 +30,7 @@ def cloud_start(
     if json_output:
         render.print_json(status)
     else:
-        render.out.print(f"local cloud at {info.url} (pid {info.pid}); API key in {info.api_key_file}")
+        render.line(f"local cloud at {info.url} (pid {info.pid}); API key in {info.api_key_file}")
 
 
 def cloud_stop(state_dir: StateDir = None, json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:
@@ -54,7 +54,7 @@ def cloud_stop(state_dir: StateDir = None, json_output: JsonFlag = False, config
     else:
         for name in settled:
             render.line(f"{name}: destroyed (its cloud is stopping)")
-        render.out.print("local cloud stopped" if stopped else "local cloud was not running")
+        render.line("local cloud stopped" if stopped else "local cloud was not running")
 
 
 def _settings_of(config_path: Path | None, directory: Path) -> config.Settings | None:

@@ -12,9 +12,8 @@ from typing import Annotated, NoReturn, TypeVar
 
 import httpx
 import typer
-from rich.markup import escape
 
-from fleet.cli.render import err, print_json
+from fleet.cli.render import print_json, warn
 from fleet.core import config
 from fleet.core.errors import BadInput, FleetError
 
@@ -50,7 +49,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
     if "--json" in sys.argv[1:]:
         print_json({"error": message})
     else:
-        err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+        warn(("error:", "red"), f" {message}")
     raise typer.Exit(code)
 
 
@@ -102,7 +101,7 @@ class ConsoleReporter:
         self._shown: dict[tuple[str, str], float] = {}
 
     def info(self, host: str, message: str) -> None:
-        err.print(f"[bold]{host}[/bold] {message}", highlight=False)
+        warn((host, "bold"), f" {message}")  # a host's words: never markup, never an escape sequence
 
     def progress(self, host: str, what: str, done: int, total: int) -> None:
         now = time.monotonic()
@@ -110,7 +109,7 @@ class ConsoleReporter:
             return
         self._shown[(host, what)] = now
         pct = 100.0 * done / total if total else 100.0
-        err.print(f"[bold]{host}[/bold] pull {what}: {pct:5.1f}% of {total / 1e6:,.1f} MB", highlight=False)
+        warn((host, "bold"), f" pull {what}: {pct:5.1f}% of {total / 1e6:,.1f} MB")
 
 
 def reporter(json_output: bool) -> ConsoleReporter | None:

@@ -56,7 +56,7 @@ def up_cmd(
         if json_output:
             render.print_json({"dry_run": True, "offers": rows})
         else:
-            render.out.print(f"would try, in order ({len(rows)} offers):")
+            render.line(f"would try, in order ({len(rows)} offers):")
             for r in rows:
                 render.line(
                     f"  offer {r['id']} machine {r['machine_id']} {r['gpu_name']} {r['geolocation']} "
@@ -138,7 +138,7 @@ def status_cmd(
     for t in targets:  # what `fleet serve` and the daemon keep ([[serve]] in fleet.toml)
         render.line(t.line())
     if not hosts:
-        render.out.print("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
+        render.line("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
         return
     render.status(hosts)
 
@@ -168,7 +168,7 @@ def serve_cmd(
     for r in results:
         render.line(r.line())
         if dry_run:
-            render.out.print(f"  would do: up {r.up} (pool first), drain {list(r.drain) or 'none'}, pool +{r.refill}")
+            render.line(f"  would do: up {r.up} (pool first), drain {list(r.drain) or 'none'}, pool +{r.refill}")
         else:
             render.line(f"  did: {json.dumps(r.done) if r.done else 'nothing'}")
 
@@ -193,7 +193,7 @@ def endpoints_cmd(
     for r in rows:
         render.line(" ".join(f"{k}={v}" for k, v in r.items()))
     if not rows:
-        render.err.print("no READY host")
+        render.warn("no READY host")
 
 
 def destroy_cmd(

@@ -50,7 +50,7 @@ def probe_cmd(
     else:
         render.probe_results(results)
         if plot is not None:
-            render.out.print(f"plot written to {plot}")
+            render.line(f"plot written to {plot}")
     if not all(r.passed for r in results):
         raise typer.Exit(1)
 
@@ -135,7 +135,7 @@ def report_cmd(
             }
         )
         return
-    render.line(report.markdown(session))
+    render.line(report.markdown(session), newlines=True)
     render.line(f"wrote {target / 'report.html'} and {target / 'report.md'}")
 
 
@@ -153,6 +153,6 @@ def machines_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) 
         render.print_json([m.as_dict() for m in machines])
         return
     if not machines:
-        render.out.print("no machine rented yet")
+        render.line("no machine rented yet")
         return
     render.machines(machines)

@@ -76,7 +76,7 @@ def offers_cmd(
     order = "effective $/h" if by_price else "expected $/voice-minute"
     render.offers(f"{model} in {region}: {len(rows)} of {funnel.seen} offers pass, by {order}", rows, funnel)
     if saved:
-        render.out.print(f"saved {len(funnel.offers)} raw offers to {saved}")
+        render.line(f"saved {len(funnel.offers)} raw offers to {saved}")
 
 
 def plan_cmd(

@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from fleet.core.config import Profile
 from fleet.economics.capacity import judge_level
@@ -30,17 +31,44 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def line(text: str) -> None:
-    out.print(text, highlight=False)
+Part = str | tuple[str, str]  # plain text, or (text, style)
+
+
+def clean(text: object, newlines: bool = False) -> str:
+    """Text from outside (a host's log, the marketplace's words, a GPU's name) as the terminal may show it:
+    no control character, no escape sequence (their ESC goes, the rest shows as text), and no line break unless
+    `newlines`. Markup never applies to it: it is shown through Text, never parsed."""
+    kept = []
+    for ch in str(text):
+        if ch == "\n" and newlines:
+            kept.append(ch)
+        elif ch in "\t\n\r":
+            kept.append(" ")
+        elif ch.isprintable():
+            kept.append(ch)
+    return "".join(kept)
+
+
+def styled(*parts: Part, newlines: bool = False) -> Text:
+    """A line made of plain parts (cleaned, never read as markup) and (text, style) parts."""
+    return Text.assemble(*(clean(p, newlines) if isinstance(p, str) else (clean(p[0]), p[1]) for p in parts))
+
+
+def line(*parts: Part, newlines: bool = False) -> None:
+    out.print(styled(*parts, newlines=newlines), highlight=False)
+
+
+def warn(*parts: Part) -> None:
+    err.print(styled(*parts), highlight=False)
 
 
 def table(columns: tuple[str, ...], rows: list[tuple[str, ...]], title: str | None = None, wrap: str = "") -> None:
-    """A table of `rows`; only the column named `wrap` may wrap."""
+    """A table of `rows` (each cell shown as text, never as markup); only the column named `wrap` may wrap."""
     t = Table(title=title)
     for column in columns:
         t.add_column(column, no_wrap=column != wrap)
     for row in rows:
-        t.add_row(*row)
+        t.add_row(*(Text(clean(cell)) for cell in row))
     out.print(t)
 
 
@@ -88,8 +116,9 @@ def offers(title: str, rows: list[dict[str, Any]], funnel: Any) -> None:
     if funnel.truncated:
         dearest = max((o.dph_total for o in funnel.offers), default=0.0)
         line(
-            f"[yellow]the answer was full[/yellow]: the marketplace answers at most {funnel.limit} offers, cheapest "
-            f"first; offers above ${dearest:.4f}/h went unseen (filters.search_limit, or narrow with --max-price)"
+            ("the answer was full", "yellow"),
+            f": the marketplace answers at most {funnel.limit} offers, cheapest "
+            f"first; offers above ${dearest:.4f}/h went unseen (filters.search_limit, or narrow with --max-price)",
         )
 
 
@@ -99,8 +128,9 @@ def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
 
     w = p.weights
     line(
-        f"[bold]{model}[/bold]: {p.slots} slots x {p.cache.ctx_per_slot} tokens, cache "
-        f"{p.cache.type_k}/{p.cache.type_v}, -ub {p.cache.ubatch}, swa-full {'on' if p.cache.swa_full else 'off'}"
+        (model, "bold"),
+        f": {p.slots} slots x {p.cache.ctx_per_slot} tokens, cache "
+        f"{p.cache.type_k}/{p.cache.type_v}, -ub {p.cache.ubatch}, swa-full {'on' if p.cache.swa_full else 'off'}",
     )
     t = Table(show_header=False)
     t.add_column(no_wrap=True)
@@ -150,19 +180,20 @@ def attempts_and_ready(result: Any) -> None:
                 f"failed in {a.phase}: {a.reason}"
             )
     for h in result.ready:
-        line(f"[green]READY[/green] {h.name} {h.api_url} {h.gpu_name} {h.geolocation} ${h.dph_total:.4f}/h")
+        line(("READY", "green"), f" {h.name} {h.api_url} {h.gpu_name} {h.geolocation} ${h.dph_total:.4f}/h")
     for f in result.failures:
-        err.print(f"[red]not up:[/red] {f}", highlight=False)
+        warn(("not up:", "red"), f" {f}")
 
 
 def standby(rows: list[dict[str, Any]], failures: list[str]) -> None:
     for r in rows:
         line(
-            f"[cyan]STANDBY[/cyan] {r['host']} {r['gpu_name']} {r['geolocation']}: "
-            f"${r['storage_usd_per_hour']:.4f}/h stopped (${r['running_usd_per_hour']:.4f}/h running)"
+            ("STANDBY", "cyan"),
+            f" {r['host']} {r['gpu_name']} {r['geolocation']}: "
+            f"${r['storage_usd_per_hour']:.4f}/h stopped (${r['running_usd_per_hour']:.4f}/h running)",
         )
     for f in failures:
-        err.print(f"[red]not in the pool:[/red] {f}", highlight=False)
+        warn(("not in the pool:", "red"), f" {f}")
 
 
 def status(hosts: list[dict[str, Any]]) -> None:
@@ -269,9 +300,9 @@ def destroyed(report: Any, session: Any) -> None:
 
 def probe_results(results: list[Any]) -> None:
     for r in results:
-        mark = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
+        mark = ("pass", "green") if r.passed else ("FAIL", "red")
         shown = {k: v for k, v in r.metrics.items() if k != "series"}
-        line(f"{mark} {r.name}: {r.diagnosis}")
+        line(mark, f" {r.name}: {r.diagnosis}")
         line(f"     {json.dumps(shown, default=str)}")
 
 
@@ -309,13 +340,13 @@ def bench(host: str, waves: int, report: Any) -> None:
     held = report.capacity
     if report.kept_capacity is not None:
         line(f"(an earlier bench measured {report.kept_capacity} callers, more than this one tried: kept)")
-    out.print(
+    line(
         f"capacity: {'at least ' if held.exhausted else ''}{held.callers} concurrent callers at first content "
         f"p95 <= {target.first_content_p95_ms:g} ms and >= {target.decode_tok_s:g} tok/s per caller"
         + (f" ({held.callers + 1} missed: {held.why_missed})" if held.why_missed else "")
     )
     if report.usd_per_voice_minute is not None:
-        out.print(
+        line(
             f"cost: ${report.usd_per_voice_minute:.5f} per voice-minute "
             f"(${report.effective_usd_per_hour:.4f}/h with traffic, over {held.callers} calls)"
         )
@@ -323,11 +354,11 @@ def bench(host: str, waves: int, report: Any) -> None:
 
 def health(reports: list[Any]) -> None:
     for r in reports:
-        mark = "[green]ok[/green]" if r.healthy else f"[red]failing ({r.failures})[/red]"
+        mark = ("ok", "green") if r.healthy else (f"failing ({r.failures})", "red")
         extra = f"; replaced by {r.replaced_by}" if r.replaced_by else ""
-        line(f"{r.name}: {mark} {'' if r.healthy else r.reason}{extra}")
+        line(f"{r.name}: ", mark, f" {'' if r.healthy else r.reason}{extra}")
     if not reports:
-        out.print("no READY host")
+        line("no READY host")
 
 
 def reprice(moves: list[Any], dry_run: bool) -> None:
@@ -363,5 +394,5 @@ def pairs(data: dict[str, Any]) -> None:
     """A two-column table of keys and values."""
     t = Table(show_header=False)
     for key, value in data.items():
-        t.add_row(key, str(value))
+        t.add_row(Text(clean(key)), Text(clean(value)))
     out.print(t)

@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from apscheduler.executors.asyncio import AsyncIOExecutor
-from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
-from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from fleet.context import Context, open_context
@@ -223,10 +222,12 @@ class FleetCollector(Collector):
             yield replacements
 
 
-def build_scheduler(settings: config.Settings, config_path: str, engine: Engine) -> AsyncIOScheduler:
+def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOScheduler:
     rot = settings.rotation
     scheduler = AsyncIOScheduler(
-        jobstores={"default": SQLAlchemyJobStore(engine=engine)},
+        # in memory: jobs are rebuilt at every start and each tick is claimed in job_runs; a job store in the
+        # database would unpickle whatever anyone with write access to it put there
+        jobstores={"default": MemoryJobStore()},
         executors={"default": AsyncIOExecutor()},
         job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 60},
         timezone="UTC",
@@ -247,7 +248,7 @@ def build_scheduler(settings: config.Settings, config_path: str, engine: Engine)
 
 async def serve(settings: config.Settings, config_path: str, metrics_port: int | None = None) -> None:
     """Run until SIGTERM or SIGINT."""
-    engine = db.open_database(settings.database.target)  # migrations first: the job store's table is one
+    engine = db.open_database(settings.database.target)  # migrated before any job runs
     lock = None if db.is_postgres(engine) else DaemonLock(settings.database.file)
     if lock is not None:
         lock.acquire()
@@ -260,7 +261,7 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
             registry.register(FleetCollector(db.Record(engine)))
             start_http_server(port, addr="127.0.0.1", registry=registry)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
-        scheduler = build_scheduler(settings, config_path, engine)
+        scheduler = build_scheduler(settings, config_path)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -66,9 +67,7 @@ class Provider(Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if v != LOCAL and not re.match(r"^https?://[^\s/]+", v):
-            raise ValueError(f"must be 'local' or an http(s) URL, not {v!r}")
-        return v.rstrip("/")
+        return v if v == LOCAL else encrypted_url(v)
 
     @property
     def is_local(self) -> bool:
@@ -78,6 +77,29 @@ class Provider(Strict):
 class Hub(Strict):
     url: str = "auto"
     token_env: str = "HF_TOKEN"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return v if v == "auto" else encrypted_url(v)
+
+
+def encrypted_url(url: str) -> str:
+    """An https:// URL; plain http:// only to this machine's loopback, where no one is on the path."""
+    m = re.match(r"^(https?)://(\[[0-9a-fA-F:]+\]|[^\s/:]+)(:\d+)?(/\S*)?$", url)
+    if not m:
+        raise ValueError(f"must be an https:// URL, not {url!r}")
+    host = m.group(2).strip("[]")
+    if m.group(1) == "http" and not (host == "localhost" or _loopback(host)):
+        raise ValueError(f"{url!r}: plain http crosses the network in clear; use https://")
+    return url.rstrip("/")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Database(Strict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, Column, Float, LargeBinary, Table, Unicode
+from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
 
@@ -257,12 +257,3 @@ class Install(SQLModel, table=True):
     install_id: str
 
 
-# fleet daemon's APScheduler job store lives in the same database. Its table is APScheduler's own
-# schema, declared here so that the migrations create it like every other table.
-APSCHEDULER_JOBS = Table(
-    "apscheduler_jobs",
-    SQLModel.metadata,
-    Column("id", Unicode(191), primary_key=True),
-    Column("next_run_time", Float(25), index=True),
-    Column("job_state", LargeBinary, nullable=False),
-)

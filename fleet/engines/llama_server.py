@@ -23,12 +23,32 @@ CUDA_ARCHITECTURES = (80, 86, 89, 90, 100, 120)
 COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
 
 
+# On every host: /slots would hand every caller's transcript to any holder of the key, and the web UI serves
+# nothing a voice agent needs; /metrics says how many requests are in flight (a drain reads it) and no more.
+EXPOSURE = ["--no-slots", "--no-webui", "--metrics"]
+# Prometheus gauge of the requests a server is processing now
+REQUESTS_PROCESSING = "llamacpp:requests_processing"
+
+
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
     """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template
-    fleet put on the host when the profile names one, port, alias."""
+    fleet put on the host when the profile names one, what it exposes, port, alias."""
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
-    return ["-m", files["main"], *args, *template, "--port", str(port), "-a", profile.name]
+    return ["-m", files["main"], *args, *template, *EXPOSURE, "--port", str(port), "-a", profile.name]
+
+
+def requests_processing(metrics: str) -> int | None:
+    """The requests in flight, from a /metrics answer (Prometheus text); None when it does not say."""
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name == REQUESTS_PROCESSING:
+            try:
+                number = float(value.strip())
+            except ValueError:
+                return None
+            return int(number) if number >= 0 and number == int(number) else None
+    return None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,11 @@ async def pull_files(
                 ) -> None:
                     if not line.startswith("progress "):
                         return
-                    done = int(line.split()[1])
+                    words = line.split()
+                    if len(line) > 80 or len(words) != 2 or not words[1].isdigit():
+                        # the host's script says what no fleet-pull says: this machine is not to be believed
+                        raise PhaseFailed("pull", f"fleet-pull's progress is garbage: {line[:80]!r}")
+                    done = int(words[1])
                     if done > moved[1]:
                         moved[:] = [time.monotonic(), done]
                     if time.monotonic() - shown[0] > 1.0:

@@ -44,6 +44,11 @@ async def connect(
                 known_hosts=known_hosts,
                 connect_timeout=min(10.0, timeout_s),
                 keepalive_interval=30,
+                # a stranger's root is on the other end: nothing of the operator's own SSH setup goes there
+                # (no ~/.ssh/config, whose ForwardAgent would hand it the operator's agent; no agent at all)
+                config=None,
+                agent_path=None,
+                agent_forwarding=False,
             )
             presented = conn.get_server_host_key()
             assert presented is not None

@@ -21,40 +21,47 @@ from fleet.context import Context
 from fleet.core import failpoints
 from fleet.core.models import Blacklist, Host, HostState, as_utc, utcnow
 from fleet.economics.bill import accrued_usd
+from fleet.engines.llama_server import requests_processing
 from fleet.host.attempts import end_attempt
 from fleet.host.endpoints import publish_endpoints
 from fleet.market import MarketError
 
 T = TypeVar("T")
+MAX_METRICS = 256 * 1024  # a /metrics answer is a few kB: what a host sends beyond this is not read
 
 
 async def drain(ctx: Context, host: Host) -> None:
-    """Wait until no slot is processing a request, or the drain timeout. An answer that is not a list of
-    slots (an error status, --no-slots) says nothing about the calls in flight: wait it out. Only a server
-    that no longer accepts connections has nothing left to drain."""
+    """Wait until the server has no request in flight (llama-server's /metrics: every host serves it and no
+    /slots), or the drain timeout. An answer that does not say (an error status, garbage) says nothing about
+    the calls in flight: wait it out. Only a server that no longer accepts connections has nothing to drain."""
     deadline = time.monotonic() + ctx.settings.rotation.drain_timeout_s
     async with httpx.AsyncClient(
         base_url=host.api_url or "", timeout=5, headers={"Authorization": f"Bearer {host.api_key}"}
     ) as client:
         while time.monotonic() < deadline:
             try:
-                response = await client.get("/slots")
+                text = await _metrics(client)
             except httpx.ConnectError:
                 return  # nothing listens: nothing to drain
-            except httpx.HTTPError:
-                response = None
-            slots = _json_list(response) if response is not None and response.status_code == 200 else None
-            if slots is not None and not any(s.get("is_processing") for s in slots if isinstance(s, dict)):
+            except (httpx.HTTPError, TimeoutError):
+                text = ""
+            if requests_processing(text) == 0:
                 return
             await asyncio.sleep(0.2)
 
 
-def _json_list(response: httpx.Response) -> list | None:
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, list) else None
+async def _metrics(client: httpx.AsyncClient) -> str:
+    """The host's /metrics, at most MAX_METRICS bytes of it and within 5 s: a host that drips or floods its
+    answer is not waited on nor read past that. Empty when it did not answer 200."""
+    body = b""
+    async with asyncio.timeout(5), client.stream("GET", "/metrics") as r:
+        if r.status_code != 200:
+            return ""
+        async for chunk in r.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_METRICS:
+                return ""
+    return body.decode("utf-8", errors="replace")
 
 
 def blacklist_machine(ctx: Context, host: Host, phase: str, reason: str) -> None:

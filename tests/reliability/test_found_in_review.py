@@ -15,6 +15,7 @@ from fleet.control import rotation
 from fleet.control.up import UpRequest
 from fleet.core.config import Traffic
 from fleet.core.models import HostState
+from fleet.engines.llama_server import requests_processing
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import listed_instances, polite
 
@@ -138,18 +139,33 @@ async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exit
         assert await listed_instances(api) == []
 
 
-async def test_drain_does_not_read_an_unreadable_slots_answer_as_idle(cloud, tmp_path):
-    settings = with_variant(
-        settings_for(tmp_path, rotation={"drain_timeout_s": 4}), "tiny-noslots", extra_args=["--no-slots"]
-    )
+async def test_drain_waits_for_the_call_in_flight_read_from_metrics(cloud, tmp_path):
+    # every host serves /metrics and no /slots (which would hand each caller's transcript to any key holder):
+    # a drain reads the requests in flight there, and waits for the one under way
+    settings = settings_for(tmp_path, rotation={"drain_timeout_s": 120})
     async with fleet_for(settings) as fleet:
-        host = (await fleet.up(UpRequest("tiny-noslots", "eu"))).ready[0]
-        async with httpx.AsyncClient(base_url=host.api_url, timeout=10) as client:
-            assert (await client.get("/slots", headers={"Authorization": f"Bearer {host.api_key}"})).status_code >= 400
-        started = asyncio.get_running_loop().time()
-        await rotation.drain(fleet, host)
-        assert asyncio.get_running_loop().time() - started >= 3.5  # it waited: it could not tell the host was idle
-        await fleet.destroy(None)
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        try:
+            headers = {"Authorization": f"Bearer {host.api_key}"}
+            async with httpx.AsyncClient(base_url=host.api_url, timeout=120, headers=headers) as client:
+                assert (await client.get("/slots")).status_code >= 400
+                finished: list[float] = []
+
+                async def long_call() -> None:
+                    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "ignore_eos": True}
+                    (await client.post("/v1/chat/completions", json=body)).raise_for_status()
+                    finished.append(asyncio.get_running_loop().time())
+
+                call = asyncio.create_task(long_call())
+                while requests_processing((await client.get("/metrics")).text) != 1:
+                    assert not call.done(), "the call ended before it was seen in flight"
+                    await asyncio.sleep(0.02)
+                await rotation.drain(fleet, host)
+                drained = asyncio.get_running_loop().time()
+                await call
+            assert finished and finished[0] <= drained  # it waited for the call, and no longer than that
+        finally:
+            await fleet.destroy(None)
 
 
 async def test_caps_hold_across_processes(cloud, tmp_path):
