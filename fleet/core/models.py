@@ -255,5 +255,3 @@ class Install(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     install_id: str
-
-
