@@ -28,7 +28,7 @@ from fleet.host import profile as profiles
 from fleet.host.attempts import AttemptReport, attempt_row, end_attempt
 from fleet.host.bringup import BringUp, image_login
 from fleet.host.endpoints import publish_endpoints
-from fleet.host.ops import PhaseFailed
+from fleet.host.phase import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
 from fleet.market import AuthError, CreditSpent, Offer, OfferGone
 

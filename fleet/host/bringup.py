@@ -30,7 +30,7 @@ from fleet.host import ops as hostops
 from fleet.host import profile as profiles
 from fleet.host.instance import wait_running, wait_stopped
 from fleet.host.measure import probe_host
-from fleet.host.ops import PhaseFailed
+from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, connect
 from fleet.market import AuthError, CreateFailed, CreditSpent, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.plan.memory import card_problem

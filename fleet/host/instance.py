@@ -10,7 +10,7 @@ from fleet.context import Context
 from fleet.core.config import Timeouts
 from fleet.core.models import Host
 from fleet.engines import SERVICE_PORT
-from fleet.host.ops import PhaseFailed
+from fleet.host.phase import PhaseFailed
 from fleet.market import HEARTBEAT_LOST, Instance
 
 

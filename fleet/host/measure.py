@@ -18,7 +18,7 @@ from fleet.core.config import Profile
 from fleet.core.errors import FleetError
 from fleet.core.models import BenchRun, Host, HostState, ProbeRun
 from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voice_minute
-from fleet.host.ops import PhaseFailed
+from fleet.host.phase import PhaseFailed
 from fleet.host.remote import HostKeyMismatch, connect
 from fleet.host.teardown import blacklist_machine
 from fleet.probes import ProbeResult

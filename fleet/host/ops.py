@@ -1,14 +1,13 @@
 """What fleet does on a host over SSH: pull the model files, start the server, watch it come up.
 
 Each step runs one of the image's host scripts (images/llama-server/host/) with an argv, never a
-shell string built by hand; secrets (the Hugging Face token, the API key) travel on stdin. A step that
-fails raises PhaseFailed with the phase and why.
+shell string built by hand; the API key travels on stdin, and the Hugging Face token goes to no host. A
+step that fails raises PhaseFailed with the phase and why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Callable
 
@@ -16,36 +15,15 @@ import asyncssh
 import httpx
 
 from fleet.core.config import Profile
-from fleet.core.errors import FleetError
 from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE
 from fleet.engines.llama_server import server_argv
+from fleet.host import hubfile
+from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
 
-
-class PhaseFailed(FleetError):
-    """A phase of a bring-up failed: destroy the instance and try the next offer. `blacklist`: the machine
-    is to blame (not the marketplace's answer), so it is not tried again for a while. `retry` false: the
-    software or the profile is to blame (the server build, the template, the flags), so every other
-    machine would fail the same: the bring-up stops instead of renting the next offer."""
-
-    def __init__(self, phase: str, reason: str, *, blacklist: bool = True, retry: bool = True) -> None:
-        super().__init__(f"{phase}: {reason}")
-        self.phase = phase
-        self.reason = reason
-        self.blacklist = blacklist
-        self.retry = retry
-
-
-async def linked_etag(url: str, hf_token: str) -> tuple[str, int]:
-    """The sha256 and size the hub states for a file, from its first (redirect) answer."""
-    headers = {"Authorization": f"Bearer {hf_token}"} if hf_token else {}
-    async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.head(url, headers=headers, follow_redirects=False)
-    etag = (r.headers.get("X-Linked-Etag") or "").strip('"')
-    size = r.headers.get("X-Linked-Size")
-    if r.status_code >= 400 or not re.fullmatch(r"[0-9a-f]{64}", etag) or not size:
-        raise PhaseFailed("pull", f"the hub gave no sha256 for {url} (HTTP {r.status_code})")
-    return etag, int(size)
+# How many times one file's pull may be given a fresh signed URL: each time only after the last one moved
+# bytes (a pull that outlives its URL resumes where it was; one that never moves fails).
+URL_RENEWALS = 5
 
 
 async def pull_files(
@@ -59,61 +37,71 @@ async def pull_files(
     stall_s: float = 120.0,
 ) -> dict[str, str]:
     """Every file of the profile, with aria2c and its sha256 checked; file key -> path on the host. A file
-    whose bytes stop growing for `stall_s` fails the pull then, not at the end of `timeout_s`."""
+    whose bytes stop growing for `stall_s` fails the pull then, not at the end of `timeout_s`. The host
+    gets each file's signed URL and never the token (hubfile.resolve)."""
     paths: dict[str, str] = {}
     try:
         async with asyncio.timeout(timeout_s):
             for f in profile.files:
                 url = f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
-                sha256, size = await linked_etag(url, hf_token)
                 dest = f"{MODELS_DIR}/{f.file}"
-                shown = [0.0]
-                moved = [time.monotonic(), -1.0]  # when the file last grew, and to what size
-
-                def on_line(
-                    line: str, name: str = f.file, total: int = size, shown: list[float] = shown, moved: list = moved
-                ) -> None:
-                    if not line.startswith("progress "):
-                        return
-                    words = line.split()
-                    if len(line) > 80 or len(words) != 2 or not words[1].isdigit():
-                        # the host's script says what no fleet-pull says: this machine is not to be believed
-                        raise PhaseFailed("pull", f"fleet-pull's progress is garbage: {line[:80]!r}")
-                    done = int(words[1])
-                    if done > moved[1]:
-                        moved[:] = [time.monotonic(), done]
-                    if time.monotonic() - shown[0] > 1.0:
-                        shown[0] = time.monotonic()
-                        progress(name, done, total)
-
-                # The token travels on stdin into the script's environment, never on a command line.
-                argv = [
-                    "sh",
-                    "-c",
-                    'IFS= read -r HF_TOKEN; export HF_TOKEN; exec fleet-pull "$@"',
-                    "fleet-pull",
-                    url,
-                    sha256,
-                    dest,
-                    str(connections),
-                ]
-                stream = asyncio.ensure_future(run_streaming(conn, argv, on_line, stdin=hf_token + "\n"))
-                while not stream.done():
-                    await asyncio.wait({stream}, timeout=1.0)
-                    if not stream.done() and time.monotonic() - moved[0] > stall_s:
-                        stream.cancel()
-                        await asyncio.gather(stream, return_exceptions=True)
-                        raise PhaseFailed("pull", f"{f.file}: no progress for {stall_s:g}s (timeouts.pull_stall)")
-                last = stream.result()
-                if last != f"ok {sha256} {size}":
-                    raise PhaseFailed("pull", f"{f.file}: unexpected result {last!r}")
-                progress(f.file, size, size)
+                hub_file = await hubfile.resolve(url, hf_token)
+                pulled = _FilePull(f.file, hub_file.size, progress)
+                for renewal in range(URL_RENEWALS + 1):
+                    grown_to = pulled.moved_to
+                    try:
+                        last = await pulled.run(conn, hub_file, dest, connections, stall_s)
+                        break
+                    except RemoteError as e:
+                        if pulled.moved_to <= grown_to or renewal == URL_RENEWALS:
+                            raise PhaseFailed("pull", str(e)) from None
+                        hub_file = await hubfile.resolve(url, hf_token)  # a long pull outlives its signed URL
+                if last != f"ok {hub_file.sha256} {hub_file.size}":
+                    raise PhaseFailed("pull", f"{f.file}: unexpected result {last[:120]!r}")
+                progress(f.file, hub_file.size, hub_file.size)
                 paths[f.key] = dest
     except TimeoutError:
         raise PhaseFailed("pull", f"not done after {timeout_s:g}s (timeouts.pull)") from None
-    except RemoteError as e:
-        raise PhaseFailed("pull", str(e)) from None
     return paths
+
+
+class _FilePull:
+    """One file's fleet-pull runs on a host, and what their progress lines said."""
+
+    def __init__(self, name: str, total: int, progress: Callable[[str, int, int], None]) -> None:
+        self.name, self.total, self._progress = name, total, progress
+        self.moved_to = -1  # the largest size the file has reached
+        self._moved_at = time.monotonic()
+        self._shown_at = 0.0
+
+    def on_line(self, line: str) -> None:
+        if not line.startswith("progress "):
+            return
+        words = line.split()
+        if len(line) > 80 or len(words) != 2 or not words[1].isdigit():
+            # the host's script says what no fleet-pull says: this machine is not to be believed
+            raise PhaseFailed("pull", f"fleet-pull's progress is garbage: {line[:80]!r}")
+        done = int(words[1])
+        if done > self.moved_to:
+            self.moved_to, self._moved_at = done, time.monotonic()
+        if time.monotonic() - self._shown_at > 1.0:
+            self._shown_at = time.monotonic()
+            self._progress(self.name, done, self.total)
+
+    async def run(
+        self, conn: asyncssh.SSHClientConnection, hub_file: hubfile.HubFile, dest: str, connections: int, stall_s: float
+    ) -> str:
+        """fleet-pull's last line; RemoteError when it fails; PhaseFailed when the file stops growing."""
+        argv = ["fleet-pull", hub_file.download_url, hub_file.sha256, dest, str(connections)]
+        self._moved_at = time.monotonic()
+        stream = asyncio.ensure_future(run_streaming(conn, argv, self.on_line))
+        while not stream.done():
+            await asyncio.wait({stream}, timeout=1.0)
+            if not stream.done() and time.monotonic() - self._moved_at > stall_s:
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+                raise PhaseFailed("pull", f"{self.name}: no progress for {stall_s:g}s (timeouts.pull_stall)")
+        return stream.result()
 
 
 async def kept_files(
@@ -123,7 +111,7 @@ async def kept_files(
     now checked for its size against the hub's (a hash of 15-20 GB would cost a resume most of its gain)."""
     paths: dict[str, str] = {}
     for f in profile.files:
-        _, size = await linked_etag(f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}", hf_token)
+        size = (await hubfile.resolve(f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}", hf_token)).size
         dest = f"{MODELS_DIR}/{f.file}"
         try:
             result = await run(conn, ["stat", "-c", "%s", dest], timeout_s=30)
@@ -131,7 +119,7 @@ async def kept_files(
             raise PhaseFailed("pull", f"{f.file}: not on the kept disk ({e})") from None
         have = str(result.stdout or "").strip()
         if have != str(size):
-            raise PhaseFailed("pull", f"{f.file}: {have} bytes on the kept disk, the hub says {size}")
+            raise PhaseFailed("pull", f"{f.file}: {have[:40]} bytes on the kept disk, the hub says {size}")
         paths[f.key] = dest
     return paths
 

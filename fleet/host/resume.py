@@ -13,7 +13,7 @@ from fleet.core.models import Host
 from fleet.host.attempts import AttemptReport, end_attempt
 from fleet.host.bringup import BringUp
 from fleet.host.endpoints import publish_endpoints
-from fleet.host.ops import PhaseFailed
+from fleet.host.phase import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
 from fleet.market import MarketError
 

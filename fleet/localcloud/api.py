@@ -181,7 +181,14 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response({"status": "ok"})
 
     async def admin_hub_stats(request: web.Request) -> web.Response:
-        return json_response({"bytes_served": hub.bytes_served, "token_requests": hub.token_requests})
+        return json_response(
+            {
+                "bytes_served": hub.bytes_served,
+                "token_requests": hub.token_requests,
+                "host_token_requests": hub.host_token_requests,
+                "refused_urls": hub.refused_urls,
+            }
+        )
 
     async def admin_stats(request: web.Request) -> web.Response:
         return json_response({"rate_limited": cloud.limiter.refused})

@@ -39,8 +39,12 @@ class SlowAnswer:
 
 @dataclass
 class PullReset:
+    """The next `count` downloads longer than `after_bytes` are cut there. `expire_url`: the cut also ends the
+    signed URL's life, as a pull that outlives its URL sees on the real hub (every retry of it is refused)."""
+
     after_bytes: int = 0
     count: int = 0
+    expire_url: bool = False
 
 
 @dataclass
@@ -105,6 +109,9 @@ class Faults:
     credit_usd: float | None = None  # the account's starting credit (None: the default); at 0 vast.ai stops all
     # API keys with only some permissions (vast.ai's scoped keys): key -> its permissions (user_write, ...)
     scoped_keys: dict[str, list[str]] = field(default_factory=dict)
+    # gated model repos: repo -> the Hugging Face token that opens it (401 GatedRepo without it)
+    gated_repos: dict[str, str] = field(default_factory=dict)
+    signed_url_ttl_s: float | None = None  # how long the hub's signed CDN URLs last (None: hub.SIGNED_URL_TTL_S)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Faults:
@@ -137,6 +144,8 @@ class Faults:
             private_images={str(k): str(v) for k, v in data.get("private_images", {}).items()},
             credit_usd=float(data["credit_usd"]) if data.get("credit_usd") is not None else None,
             scoped_keys={str(k): [str(p) for p in v] for k, v in data.get("scoped_keys", {}).items()},
+            gated_repos={str(k): str(v) for k, v in data.get("gated_repos", {}).items()},
+            signed_url_ttl_s=float(data["signed_url_ttl_s"]) if data.get("signed_url_ttl_s") is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

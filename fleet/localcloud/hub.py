@@ -1,13 +1,18 @@
 """A model hub that serves files the way Hugging Face does.
 
-`/{owner}/{repo}/resolve/{rev}/{file}` answers 302 to a CDN path with `X-Linked-Etag` (the
-sha256, quoted) and `X-Linked-Size`; the CDN path serves bytes with HTTP ranges, capped per
-connection so that multi-connection pulls matter, and can reset a connection mid-file on demand.
+`/{owner}/{repo}/resolve/{rev}/{file}` answers 302 to a signed, expiring CDN URL with `X-Linked-Etag`
+(the sha256, quoted) and `X-Linked-Size`; a gated repo answers 401 to a request without its token. The
+CDN serves bytes with HTTP ranges only to a URL whose signature holds and has not expired (checked when a
+request starts, as S3 and CloudFront do), capped per connection so that multi-connection pulls matter,
+and can reset a connection mid-file on demand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +25,9 @@ from fleet.localcloud.faults import Faults
 
 TINY_REPO = "fleet-local/tiny-models"
 CHUNK = 64 * 1024
+# How long a signed CDN URL is good for: the shortest we have seen on the hub's storage (an S3 URL with
+# X-Amz-Expires=900); a pull that outlives it must ask the hub again.
+SIGNED_URL_TTL_S = 900.0
 
 
 @dataclass
@@ -67,6 +75,10 @@ class Hub:
         self._by_repo: dict[tuple[str, str], HubFile] = {}
         self.bytes_served: dict[str, int] = {}  # repo/file -> body bytes written, for tests and demos
         self.token_requests = 0  # requests that carried a bearer token (a Hugging Face token, on the real hub)
+        self.host_token_requests = 0  # ... of them, from a rented host's address: a token on a stranger's machine
+        self.refused_urls = 0  # CDN requests refused: no signature, a forged one, or expired
+        self._signing_key = os.urandom(32)
+        self._expired: set[str] = set()  # signatures ended early (a fault standing in for the clock)
 
     def publish_tiny_models(self) -> None:
         directory = self.root / TINY_REPO
@@ -100,19 +112,30 @@ class Hub:
     async def resolve(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        if request.headers.get("Authorization", "").startswith("Bearer "):
-            self.token_requests += 1
+        self._count_token(request)
         repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        gate = self._faults().gated_repos.get(repo)
+        if gate is not None and request.headers.get("Authorization", "") != f"Bearer {gate}":
+            return web.json_response(
+                {"error": f"Access to model {repo} is restricted. You must have access to it and be authenticated."},
+                status=401,
+                headers={"X-Error-Code": "GatedRepo"},
+            )
         entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
             return web.json_response(
                 {"error": "Entry not found"}, status=404, headers={"X-Error-Code": "EntryNotFound"}
             )
         sha256 = await asyncio.to_thread(entry.digest)
+        ttl = self._faults().signed_url_ttl_s
+        expires = int(time.time() + (SIGNED_URL_TTL_S if ttl is None else ttl))
+        path = f"/cdn/{repo}/{entry.path.name}"
+        nonce = os.urandom(8).hex()
+        signed = f"{path}?Expires={expires}&Nonce={nonce}&Signature={self._sign(path, expires, nonce)}"
         return web.Response(
             status=302,
             headers={
-                "Location": f"/cdn/{repo}/{entry.path.name}",
+                "Location": f"{request.scheme}://{request.host}{signed}",
                 "X-Linked-Etag": f'"{sha256}"',
                 "X-Linked-Size": str(entry.size),
                 "ETag": f'"{sha256}"',
@@ -120,9 +143,28 @@ class Hub:
             },
         )
 
+    def _sign(self, path: str, expires: int, nonce: str) -> str:
+        return hmac.new(self._signing_key, f"{path}\n{expires}\n{nonce}".encode(), hashlib.sha256).hexdigest()
+
+    def _count_token(self, request: web.Request) -> None:
+        if request.headers.get("Authorization", "").startswith("Bearer "):
+            self.token_requests += 1
+            if self._links(request.remote or "") is not None:
+                self.host_token_requests += 1
+
+    def _signature_holds(self, request: web.Request) -> bool:
+        expires, signature = request.query.get("Expires", ""), request.query.get("Signature", "")
+        if not expires.isdigit() or int(expires) < time.time() or signature in self._expired:
+            return False
+        return hmac.compare_digest(signature, self._sign(request.path, int(expires), request.query.get("Nonce", "")))
+
     async def serve(self, request: web.Request) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        self._count_token(request)
+        if not self._signature_holds(request):
+            self.refused_urls += 1
+            return web.Response(status=403, text="Auth failed: the URL's signature is missing, wrong or expired")
         repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
         entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
@@ -171,6 +213,8 @@ class Hub:
         if reset and reset.count > 0 and length > reset.after_bytes:
             reset.count -= 1
             reset_after = reset.after_bytes
+            if reset.expire_url:
+                self._expired.add(request.query.get("Signature", ""))
         sent = 0
         served, key = self.bytes_served, f"{entry.repo}/{entry.path.name}"
         link = self._links(request.remote or "")

@@ -281,6 +281,12 @@ async def _range_once(
                 raise GgufError(f"{shown}: the server ignores HTTP ranges; refusing to download the whole file")
             if r.status_code == 416:
                 return b"", start, str(r.url)
+            if r.status_code in (401, 403):
+                code = r.headers.get("X-Error-Code", "")[:40]
+                raise GgufError(
+                    f"{shown}: HTTP {r.status_code} {code}: the hub refuses it (gated or private: fleet needs a Hugging"
+                    " Face token that opens it, in $HF_TOKEN or the variable hub.token_env names)"
+                )
             if r.status_code != 206:
                 raise GgufError(f"{shown}: HTTP {r.status_code}")
             total = r.headers.get("Content-Range", "").rpartition("/")[2]

@@ -93,7 +93,7 @@ async def test_a_server_that_dies_loading_its_model(cloud, tmp_path):
 
 
 async def test_a_server_that_never_answers_health(cloud, tmp_path):
-    settings = settings_for(tmp_path, timeouts={"load": 6.0})
+    settings = settings_for(tmp_path, timeouts={"load": 10.0})
     machine = await first_machine(settings)
     cloud.set_faults({"freeze_server": [machine]})
     async with fleet_for(settings) as fleet:
