@@ -1,11 +1,15 @@
 """The filter funnel and ranking: pure functions on plain offers."""
 
+import json
 import time
+from pathlib import Path
 
 from fleet.core.config import Filters, Profile, Traffic
 from fleet.economics.offers import Criteria, OfferQuery, effective_price_per_hour, funnel, query_for
 from fleet.engines.llama_server import COMPUTE_CAPS
+from fleet.localcloud import catalog
 from fleet.market import Offer
+from fleet.market.vast import search_filters
 
 NOW = time.time()
 
@@ -124,3 +128,21 @@ def test_the_pull_moves_the_ranking_when_only_the_download_price_differs():
     with_pull = Criteria(**{**CRITERIA.__dict__, "pull_gb": 15.0})  # a bring-up downloads 15 GB
     result = funnel([dear_download, cheap_download], with_pull, no_serving_download)
     assert result.passed == [cheap_download, dear_download]
+
+
+def test_datacenter_only_asks_the_marketplace_for_datacenter_machines_and_checks_each_again():
+    dump = json.loads((Path(__file__).parents[1] / "offers" / "real-vast-a100-sxm4-2026.json").read_text())
+    rows = dump["offers"] if isinstance(dump, dict) else dump
+    parsed = [Offer.from_raw(row) for row in rows]
+    assert sum(o.datacenter for o in parsed) == sum(row.get("hosting_type") == 1 for row in rows) > 0
+    strict = Criteria(**{**CRITERIA.__dict__, "filters": Filters(datacenter_only=True)})
+    query = query_for(strict, PROFILE)
+    assert query.datacenter_only and search_filters(query)["datacenter"] == {"eq": True}
+    assert not query_for(CRITERIA, PROFILE).datacenter_only  # off unless asked
+    # the local cloud answers that search as vast.ai does: datacenter machines alone
+    answered = catalog.search(rows, {"datacenter": {"eq": True}, "limit": 1000}, {})
+    assert answered and all(row["hosting_type"] == 1 for row in answered)
+    # and fleet checks every offer again: a home machine among the answer is removed and counted
+    result = funnel([offer(1, datacenter=True), offer(2, datacenter=False)], strict, PROFILE)
+    assert [o.id for o in result.passed] == [1]
+    assert ("datacenter (hosting_type 1)", 1) in result.removed

@@ -132,6 +132,9 @@ class Filters(Strict):
     min_direct_ports: Annotated[int, Field(ge=0)] = 2
     max_inet_usd_per_gb: Annotated[float, Field(ge=0)] = 0.05
     verified_only: bool = True
+    # vast.ai's datacenter offers (hosting_type 1): machines in certified facilities, not someone's home.
+    # Their operator still has root and sees what the GPU serves: this narrows whom you trust, no more.
+    datacenter_only: bool = False
     # vast.ai stops an instance when its machine's contract ends: an offer must run at least this long
     min_contract_hours: Annotated[float, Field(ge=0)] = 48
     # a 15-20 GB pull at 128 Mbit/s takes about 20 minutes (dstack asks for inet_down > 128)

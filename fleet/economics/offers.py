@@ -76,6 +76,8 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
     ]
     if f.verified_only:
         checks.append(("verified", lambda o: o.verified))
+    if f.datacenter_only:
+        checks.append(("datacenter (hosting_type 1)", lambda o: o.datacenter))
     if c.compute_caps:
         caps = "/".join(f"{cap / 100:g}" for cap in c.compute_caps)
         checks.append(
@@ -165,6 +167,7 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
         min_direct_ports=f.min_direct_ports,
         max_inet_usd_per_gb=f.max_inet_usd_per_gb,
         verified_only=f.verified_only,
+        datacenter_only=f.datacenter_only,
         compute_caps=criteria.compute_caps,
         min_duration_s=f.min_contract_hours * 3600 if criteria.contract_ends_after else None,
         min_inet_down_mbps=f.min_inet_down_mbps or None,
@@ -178,6 +181,7 @@ def asked(query: OfferQuery) -> str:
         return "region and GPU memory only (every other filter counted here)"
     parts = ["region", "GPU memory", "reliability", "CUDA", "disk", "direct ports", "traffic $/GB"]
     parts += ["verified"] if query.verified_only else []
+    parts += ["datacenter"] if query.datacenter_only else []
     parts += ["compute capability"] if query.compute_caps else []
     parts += ["contract length"] if query.min_duration_s else []
     parts += ["download speed"] if query.min_inet_down_mbps else []

@@ -94,6 +94,7 @@ class Offer:
     compute_cap: int = 0  # CUDA compute capability x 100 (860: an RTX 3090); 0 when the offer does not say
     end_date: float | None = None  # when the machine's contract ends (epoch s): vast.ai stops the instance then
     inet_down_mbps: float = 0.0  # the machine's measured download speed
+    datacenter: bool = False  # hosting_type 1: a machine in a certified datacenter
 
     @property
     def country(self) -> str:
@@ -125,6 +126,7 @@ class Offer:
                 compute_cap=int(row.get("compute_cap") or 0),
                 end_date=float(row["end_date"]) if row.get("end_date") is not None else None,
                 inet_down_mbps=float(row.get("inet_down") or 0.0),
+                datacenter=row.get("hosting_type") == 1 or row.get("datacenter") is True,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
@@ -159,6 +161,7 @@ class OfferQuery:
     min_direct_ports: int | None = None
     max_inet_usd_per_gb: float | None = None  # each way
     verified_only: bool = False
+    datacenter_only: bool = False
     compute_caps: tuple[int, ...] = ()
     min_duration_s: float | None = None  # the contract runs at least this long from now
     min_inet_down_mbps: float | None = None
@@ -172,7 +175,7 @@ class InstanceSpec:
     label: str
     env: dict[str, str]
     ports: list[int]
-    onstart: str | None = None
+    onstart: str | None = field(default=None, repr=False)  # carries the host's SSH host key: a secret
     image_login: str | None = field(default=None, repr=False)  # a private registry's login: a secret
 
 

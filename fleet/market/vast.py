@@ -145,7 +145,7 @@ class VastMarket:
         if query.min_gpu_ram_mb:
             body["gpu_ram"] = {"gte": float(query.min_gpu_ram_mb)}
         if not query.pool_only:
-            body.update(_quality_filters(query))
+            body.update(search_filters(query))
         answer = await self._request("search", "POST", "/api/v0/bundles/", json=body)
         offers = answer.get("offers") if isinstance(answer, dict) else None
         if not isinstance(offers, list):
@@ -294,13 +294,15 @@ _QUALITY = (
 )
 
 
-def _quality_filters(query: OfferQuery) -> dict[str, Any]:
+def search_filters(query: OfferQuery) -> dict[str, Any]:
     """The search's filters for what fleet would refuse anyway (vast-cli's query fields and operators)."""
     found: dict[str, Any] = {
         column: {op: getattr(query, field)} for field, column, op in _QUALITY if getattr(query, field) is not None
     }
     if query.verified_only:
         found["verified"] = {"eq": True}
+    if query.datacenter_only:
+        found["datacenter"] = {"eq": True}
     if query.compute_caps:
         found["compute_cap"] = {"in": list(query.compute_caps)}
     return found
