@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import statistics
 import struct
 import subprocess
@@ -42,8 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fleet.core.tls import client_context
 from fleet.localcloud import tinymodels, toolchain
 from fleet.probes.call import load_call
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,14 +173,19 @@ def ensure_build(stock: bool) -> Path:
 
 
 @contextlib.contextmanager
-def server_in(ns: str, binary: Path, model: Path, key_file: Path) -> Iterator[str]:
+def server_in(
+    ns: str, binary: Path, model: Path, key_file: Path, tls_files: tuple[Path, Path] | None = None
+) -> Iterator[str]:
+    """llama-server in the server namespace; with `tls_files` (key, certificate) it serves HTTPS alone."""
     argv = ["ip", "netns", "exec", ns, str(binary), "-m", str(model), "--host", SERVER_IP, "--port", str(PORT)]
+    if tls_files:
+        argv += ["--ssl-key-file", str(tls_files[0]), "--ssl-cert-file", str(tls_files[1])]
     # the tiny model says it was trained on 4k tokens; the call's system prompt is a voice agent's
     argv += ["-np", "1", "-c", "32768", "--override-kv", "llama.context_length=int:32768", "-t", "1"]
     argv += ["--api-key-file", str(key_file)]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        yield f"http://{SERVER_IP}:{PORT}"
+        yield f"{'https' if tls_files else 'http'}://{SERVER_IP}:{PORT}"
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -193,12 +201,14 @@ def server_ms(timings: dict) -> float:
     return float(timings.get("prompt_ms", 0)) + float(timings.get("predicted_ms", 0)) / steps
 
 
-async def replay(url: str, key: str, calls: int, turns: int, system_chars: int, gap_s: float) -> list[dict]:
+async def replay(
+    url: str, key: str, calls: int, turns: int, system_chars: int, gap_s: float, tls: ssl.SSLContext | None = None
+) -> list[dict]:
     """The recorded call, `calls` times, on one connection per call; one row per turn."""
     call = load_call().with_system_chars(system_chars)
     deadline = time.monotonic() + 60
     while True:  # the server loads in its namespace: wait for it from here
-        probe = Connection(url, key)
+        probe = Connection(Server(url, key, tls))
         try:
             await probe.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             break
@@ -210,7 +220,7 @@ async def replay(url: str, key: str, calls: int, turns: int, system_chars: int, 
             await probe.close()
     rows = []
     for c in range(calls):
-        conn = Connection(url, key)
+        conn = Connection(Server(url, key, tls))
         messages: list[dict] = [{"role": "system", "content": call.system}]
         try:
             for k in range(turns):
@@ -227,6 +237,7 @@ async def replay(url: str, key: str, calls: int, turns: int, system_chars: int, 
                         "turn": k,
                         "first_content_ms": r.timing.first_content_ms,
                         "connect_ms": r.timing.connect_ms,
+                        "tls_ms": r.timing.tls_ms,
                         "body_bytes": len(json.dumps(body)),
                         # what the server spent before the first token: the prompt and one decode step
                         "server_ms": float(r.server_timings.get("prompt_ms", 0))
@@ -240,9 +251,19 @@ async def replay(url: str, key: str, calls: int, turns: int, system_chars: int, 
     return rows
 
 
-def client_in(ns: str, url: str, key_file: Path, calls: int, turns: int, system_chars: int, gap_s: float) -> list:
+def client_in(
+    ns: str,
+    url: str,
+    key_file: Path,
+    calls: int,
+    turns: int,
+    system_chars: int,
+    gap_s: float,
+    ca_file: Path | None = None,
+) -> list:
     argv = ["ip", "netns", "exec", ns, sys.executable, __file__, "--client", url, "--key-file", str(key_file)]
     argv += ["--calls", str(calls), "--turns", str(turns), "--system-chars", str(system_chars), "--gap-s", str(gap_s)]
+    argv += ["--ca-file", str(ca_file)] if ca_file else []
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"the client failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -253,16 +274,22 @@ def p95(values: list[float]) -> float:
     return statistics.quantiles(values, n=20, method="inclusive")[18] if len(values) > 1 else values[0]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def replay_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a replay through a delayed link (this bench and bench/tls.py)."""
     parser.add_argument("--rtt-ms", default="30,60", help="round trips to add, comma-separated")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-chars", type=int, default=16000, help="the call's system prompt, cut")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    replay_arguments(parser)
     parser.add_argument("--idle-gap-s", type=float, default=6.0, help="the gap of the idle row (0: no such row)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--key-file", help=argparse.SUPPRESS)
     parser.add_argument("--gap-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--ca-file", help=argparse.SUPPRESS)
     parser.add_argument("--delay-line", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.delay_line:
@@ -271,7 +298,8 @@ def main() -> int:
         return 0
     if args.client:
         key = Path(args.key_file).read_text().strip()
-        rows = asyncio.run(replay(args.client, key, args.calls, args.turns, args.system_chars, args.gap_s))
+        verify = client_context(Path(args.ca_file)) if args.ca_file else None
+        rows = asyncio.run(replay(args.client, key, args.calls, args.turns, args.system_chars, args.gap_s, verify))
         print(json.dumps(rows))
         return 0
     if os.geteuid() != 0:

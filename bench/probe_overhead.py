@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.localcloud import tinymodels, toolchain
 from fleet.localcloud.llamaproc import llama_server
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection
 
 BODY = {
@@ -59,7 +60,7 @@ async def bare(host: str, port: int) -> float:
 
 async def harness(base: str) -> float:
     started = time.perf_counter()
-    conn = Connection(base, None)
+    conn = Connection(Server(base))
     result = await conn.chat(BODY)
     elapsed = (time.perf_counter() - started) * 1000
     await conn.close()

@@ -6,13 +6,15 @@ instances in flight, the GGUF headers and chat templates it read, and the second
 the outside world. It holds no verbs: those are functions of the modules that take a Context.
 
 `open_context` assembles one from fleet.toml: the marketplace endpoint (the local cloud, started on
-demand, or vast.ai with its key), the database (migrated), fleet's own SSH key.
+demand, or vast.ai with its key), the database (migrated), fleet's own SSH key and the CA that signs its
+hosts' certificates (both made on first use).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,10 +27,12 @@ from fleet.core.keys import SshKey, ensure_key
 from fleet.core.models import LABEL_PREFIX, Host
 from fleet.core.ownership import process_owner
 from fleet.core.record import Record, open_database
+from fleet.core.tls import CertificateAuthority, client_context, ensure_ca
 from fleet.localcloud import control as local_cloud
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from fleet.plan.gguf import GgufHeader
+from fleet.probes.server import Server
 
 C = TypeVar("C", bound="Context")
 
@@ -124,6 +128,8 @@ class Context:
         self._ssh_key = ssh_key
         self._hub_url = hub_url.rstrip("/") if hub_url else None
         self._watch: InstanceWatch | None = None
+        self._ca: CertificateAuthority | None = None
+        self._tls: ssl.SSLContext | None = None
 
     @property
     def market(self) -> VastMarket:
@@ -168,6 +174,24 @@ class Context:
             self._ssh_key = ensure_key(ssh_key_path(self.settings))
         return self._ssh_key
 
+    @property
+    def ca(self) -> CertificateAuthority:
+        """fleet's CA, made beside its SSH key on first use: it signs every host's certificate."""
+        if self._ca is None:
+            self._ca = ensure_ca(tls_dir(self.settings), f"fleet CA {self.label_prefix.rstrip(':')}")
+        return self._ca
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        """What every client of a host verifies it with: fleet's CA alone."""
+        if self._tls is None:
+            self._tls = client_context(self.ca.certificate_path)
+        return self._tls
+
+    def server(self, host: Host) -> Server:
+        """How to reach a host's llama-server: its URL, its key, its certificate checked against fleet's CA."""
+        return Server(host.api_url or "", host.api_key, self.tls)
+
     async def close(self) -> None:
         self.leases.close()
         if self._watch is not None:
@@ -207,6 +231,10 @@ def resolve(settings: Settings, reporter: Reporter | None = None) -> Endpoint:
 
 def ssh_key_path(settings: Settings) -> Path:
     return settings.database.file.parent / "ssh" / "id_ed25519"
+
+
+def tls_dir(settings: Settings) -> Path:
+    return settings.database.file.parent / "tls"
 
 
 @asynccontextmanager

@@ -16,6 +16,7 @@ from fleet.probes import template as chat_template
 from fleet.probes.cache import run_cache, server_renderer, server_token_count
 from fleet.probes.call import load_call
 from fleet.probes.renderings import TURN_SHAPES, check_renderings
+from fleet.probes.server import Server
 
 NO_THINKING = {"enable_thinking": False}
 GEMMA_BREAKS = {"tool call", "text before call", "whitespace", "multi-call"}
@@ -104,7 +105,7 @@ def test_the_cache_probe_on_the_stock_and_the_repaired_gemma_template(llama_serv
     key = secrets.token_urlsafe(16)
     (tmp_path / "key").write_text(key)
     with served(llama_server, tiny_model, path, "--api-key-file", str(tmp_path / "key")) as base:
-        result = asyncio.run(run_cache(base, key, call, 4, 24, 0, 24))
+        result = asyncio.run(run_cache(Server(base, key), call, 4, 24, 0, 24))
     assert result.passed is passes, result.diagnosis
     if passes:
         assert result.metrics["glue"] is None and result.metrics["prefix_breaks"] == []

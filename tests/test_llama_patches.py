@@ -23,8 +23,13 @@ def test_the_series_names_every_patch_and_both_sides_key_the_cache_alike():
         assert "Shown by:" in header  # each patch says what shows it
     script = subprocess.run([str(IMAGE / "patchset-id")], capture_output=True, text=True, check=True)
     assert script.stdout.strip() == toolchain.patchset_id()
-    assert toolchain.llama_server_build().name.endswith(f"-p{toolchain.patchset_id()}")
-    assert toolchain.llama_server_build(stock=True).name.endswith("-stock")
+    assert toolchain.llama_server_build().name.endswith(f"-p{toolchain.patchset_id()}-tls")
+    assert toolchain.llama_server_build(stock=True).name.endswith("-stock-tls")
+    # the build script keys its cache the same way: version, flavour, features (built with OpenSSL)
+    assert (
+        'cache="$root/${version}-${flavour}-tls"'
+        in (toolchain.REPO_ROOT / "scripts" / "build-llama-server").read_text()
+    )
 
 
 def test_the_image_applies_the_same_patches_with_the_same_script():

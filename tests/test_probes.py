@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from fleet.control.up import UpRequest
@@ -133,8 +132,7 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
         host = (await fleet.up(UpRequest("tiny4", "eu"))).ready[0]
         try:
             probe = asyncio.create_task(fleet.probe(host.name, only=["thermal"]))
-            headers = {"Authorization": f"Bearer {host.api_key}"}
-            async with httpx.AsyncClient(base_url=host.api_url, headers=headers, timeout=10) as client:
+            async with fleet.server(host).client(timeout=10) as client:
                 await asyncio.sleep(1.0)  # the load callers are connected and decoding by now
                 while not probe.done():
                     metrics = (await client.get("/metrics")).raise_for_status().text
@@ -145,8 +143,12 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
             await fleet.destroy(None)
     assert thermal.metrics["load"]["ok"] > 0 and len(thermal.metrics["decode_rates"]) >= 3
     assert len(busy) > 20
-    loaded = sum(1 for n in busy if n >= 3) / len(busy)  # the three load callers, whatever the measuring one does
-    assert loaded > 0.9, (loaded, busy)
+    # the three load callers, whatever the measuring one does: each is briefly between two requests now and
+    # then (longer on a busy machine), but the load never pauses while the probe measures (a probe that paused
+    # it for each measurement showed runs of dozens of polls below three)
+    loaded = sum(1 for n in busy if n >= 3) / len(busy)
+    longest_dip = max((len(run) for run in "".join("x" if n < 3 else " " for n in busy).split()), default=0)
+    assert loaded > 0.75 and longest_dip <= 5, (loaded, longest_dip, busy)
 
 
 async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
@@ -154,14 +156,17 @@ async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         try:
             [probe] = await fleet.probe(host.name, only=["keepalive"])
-            hostname, port = host.api_url.removeprefix("http://").split(":")
+            hostname, port = host.api_url.removeprefix("https://").split(":")
             body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
             request = (
                 f"POST /v1/chat/completions HTTP/1.1\r\nHost: {hostname}\r\nConnection: keep-alive\r\n"
                 f"Authorization: Bearer {host.api_key}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n{body}"
             ).encode()
-            with socket.create_connection((hostname, int(port)), timeout=10) as raw:
+            with (
+                socket.create_connection((hostname, int(port)), timeout=10) as tcp,
+                fleet.tls.wrap_socket(tcp, server_hostname=hostname) as raw,
+            ):
                 raw.sendall(request)
                 received = b""
                 while not received.endswith(b"\r\n0\r\n\r\n"):
@@ -254,8 +259,8 @@ async def test_a_profiles_chat_template_travels_to_the_host_and_serves(tmp_path)
         assert up.ready, [(a.phase, a.reason) for a in up.attempts]
         host = up.ready[0]
         try:
-            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {host.api_key}"}) as client:
-                props = (await client.get(f"{host.api_url}/props")).json()
+            async with fleet.server(host).client() as client:
+                props = (await client.get("/props")).json()
             [cache] = [r for r in fleet.record.probe_runs(host.id) if r.name == "cache"]
         finally:
             await fleet.destroy(None)

@@ -4,6 +4,7 @@ file, and a client that follows the endpoints through all of it."""
 import asyncio
 import json
 import sqlite3
+import ssl
 from datetime import timedelta
 
 import httpx
@@ -80,7 +81,8 @@ class RoundRobinClient:
 
     async def run(self) -> None:
         turn = 0
-        async with httpx.AsyncClient(timeout=10) as client:
+        clients: dict[str, httpx.AsyncClient] = {}  # one per CA file, verifying the hosts it signed
+        try:
             while not self.stop:
                 endpoints = json.loads(self.path.read_text())
                 if not endpoints:
@@ -90,6 +92,11 @@ class RoundRobinClient:
                 self.sent += 1
                 for i in range(len(endpoints)):
                     e = endpoints[(turn + i) % len(endpoints)]
+                    if e["ca_file"] not in clients:
+                        clients[e["ca_file"]] = httpx.AsyncClient(
+                            timeout=10, verify=ssl.create_default_context(cafile=e["ca_file"])
+                        )
+                    client = clients[e["ca_file"]]
                     try:
                         r = await client.post(
                             f"{e['url']}/v1/chat/completions",
@@ -105,6 +112,9 @@ class RoundRobinClient:
                     self.failed += 1
                 turn += 1
                 await asyncio.sleep(0.02)
+        finally:
+            for client in clients.values():
+                await client.aclose()
 
 
 def database_snapshot(path) -> dict[str, list]:
@@ -197,6 +207,24 @@ async def test_a_vanished_host_is_replaced_at_once(cloud, tmp_path):
         await fleet.destroy(None)
 
 
+async def test_a_host_whose_server_moved_to_another_port_is_replaced_at_once(cloud, tmp_path):
+    """Stopped and started behind fleet's back, an instance comes back on new ports: its old port may be
+    another renter's now, so the first sweep that reads the move takes the host out."""
+    async with fleet_for(settings_fast(tmp_path)) as fleet:
+        old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        await fleet.market.stop(old.instance_id)
+        while not (moved := await fleet.market.get(old.instance_id)) or not moved.stopped:
+            await asyncio.sleep(0.5)
+        await fleet.market.start(old.instance_id)
+        while not (moved := await fleet.market.get(old.instance_id)) or moved.status != "running" or not moved.ports:
+            await asyncio.sleep(0.5)
+        [report] = await rotation.health_sweep(fleet)
+        assert not report.healthy and report.failures == 1 and "now lists its server at" in report.reason
+        assert report.replaced_by is not None
+        assert fleet.record.hosts(names=[old.name])[0].state == HostState.DESTROYED
+        await fleet.destroy(None)
+
+
 async def test_a_failing_replacement_leaves_the_old_host_serving(cloud, tmp_path):
     settings = settings_fast(tmp_path, unhealthy_after_sweeps=1)
     settings = settings.model_copy(update={"up": settings.up.model_copy(update={"max_attempts": 1})})
@@ -207,7 +235,7 @@ async def test_a_failing_replacement_leaves_the_old_host_serving(cloud, tmp_path
         assert new is None
         assert fleet.record.hosts(names=[old.name])[0].state == HostState.READY
         assert [e["name"] for e in json.loads(settings.rotation.endpoints_path.read_text())] == [old.name]
-        async with httpx.AsyncClient(base_url=old.api_url) as client:
+        async with fleet.server(old).client() as client:
             assert (await client.get("/health")).status_code == 200
         events = [(e.kind, e.action) for e in fleet.record.events(old.id)]
         assert ("error", "replace") in events

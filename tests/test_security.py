@@ -1,24 +1,38 @@
-"""Security on real parts (issue 20): nothing of the operator's SSH setup reaches a host, a host's words
-never drive the operator's terminal, and what a host serves hands no transcript to anyone."""
+"""Security on real parts (issue 20): every host speaks HTTPS alone with a certificate fleet signed, nothing
+of the operator's SSH setup and no Hugging Face token reaches a host, a host's words never drive the
+operator's terminal, and what a host serves hands no transcript to anyone."""
 
 import asyncio
+import datetime as dt
+import ipaddress
 import os
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
 
 from fleet.control.up import UpRequest
+from fleet.core import tls
 from fleet.core.errors import FleetError
-from fleet.host import hubfile
+from fleet.host import addresses, hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import connect, run
+from fleet.localcloud import tinymodels
 from fleet.localcloud.hub import TINY_REPO
-from tests.fleetkit import cli_env, fleet_for, settings_for
+from fleet.localcloud.llamaproc import llama_server as run_llama_server
+from fleet.probes.server import Server
+from fleet.probes.stream import Connection, StreamError
+from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for
 from tests.helpers import listed_instances
 
 
@@ -86,7 +100,7 @@ async def test_no_transcript_is_readable_through_a_host_and_the_drain_sees_calls
         [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
         try:
             key = {"Authorization": f"Bearer {host.api_key}"}
-            async with httpx.AsyncClient(base_url=host.api_url, timeout=30) as client:
+            async with fleet.server(host).without_key().client(timeout=30) as client:
                 for path in ("/slots", "/slots/0"):
                     assert (await client.get(path, headers=key)).status_code >= 400  # not even with the key
                 assert (await client.get("/metrics")).status_code == 401  # without the key, nothing
@@ -186,3 +200,202 @@ async def test_a_pull_that_outlives_its_signed_url_goes_on_with_a_fresh_one(clou
         assert after["refused_urls"] > before["refused_urls"]  # the old URL was refused, as an expired one is
     finally:
         cloud.set_faults({})
+
+
+def _host_cert(ca, address: str, directory: Path) -> tuple[Path, Path]:
+    """A server key made here and a certificate from `ca` for `address`: what a host would serve."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "h")]))
+        .sign(key, hashes.SHA256())
+    )
+    pem = tls.sign_host(ca, request.public_bytes(serialization.Encoding.PEM), address, "h", _in(days=1))
+    directory.mkdir(parents=True, exist_ok=True)
+    key_path, cert_path = directory / "tls.key", directory / "tls.pem"
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    cert_path.write_bytes(pem)
+    return key_path, cert_path
+
+
+def _in(**delta: float) -> dt.datetime:
+    return dt.datetime.now(dt.UTC) + dt.timedelta(**delta)
+
+
+async def test_a_host_serves_https_alone_with_a_certificate_fleet_signed_for_its_address(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            assert host.api_url.startswith("https://")
+            address, port = host.api_url.removeprefix("https://").split(":")
+            # plain HTTP gets no answer from it
+            async with httpx.AsyncClient(timeout=10) as plain:
+                with pytest.raises(httpx.HTTPError):
+                    await plain.get(f"http://{address}:{port}/health")
+            # nor does a client that trusts the system's roots and not fleet's CA
+            async with httpx.AsyncClient(timeout=10) as system_roots:
+                with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                    await system_roots.get(f"{host.api_url}/health")
+            async with fleet.server(host).client(timeout=10) as client:
+                assert (await client.get("/health")).status_code == 200
+            # the certificate: fleet's CA, the marketplace's address, no longer than the contract
+            with (
+                socket.create_connection((address, int(port)), timeout=10) as tcp,
+                fleet.tls.wrap_socket(tcp, server_hostname=address) as wrapped,
+            ):
+                der = wrapped.getpeercert(binary_form=True)
+            cert = x509.load_der_x509_certificate(der)
+            assert cert.issuer == fleet.ca.certificate.subject
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == [address]
+            assert names.get_values_for_type(x509.DNSName) == []
+            contract_end = host.contract_end_at.replace(tzinfo=dt.UTC)
+            assert cert.not_valid_after_utc <= contract_end
+            # the probes time the TLS handshake apart from the connect, and a kept connection skips both
+            conn = Connection(fleet.server(host))
+            try:
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                first, second = await conn.chat(body), await conn.chat(body)
+            finally:
+                await conn.close()
+            assert first.status == 200 and first.timing.connect_ms is not None and first.timing.tls_ms is not None
+            assert second.timing.reused and second.timing.connect_ms is None and second.timing.tls_ms is None
+            # the host's TLS key was made there and stays there, private
+            run_dir = cloud.info.state_dir / "hosts" / str(host.instance_id)
+            [key_file] = [p for p in run_dir.rglob("tls.key")]
+            assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+            secret = key_file.read_bytes()
+            for path in tmp_path.rglob("*"):
+                if path.is_file():
+                    assert secret not in path.read_bytes(), path
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_a_server_with_anyone_elses_certificate_is_refused(llama_server, tmp_path):
+    """On the path to a host: a certificate from another CA, or fleet's own for another address."""
+    ours = tls.ensure_ca(tmp_path / "ours", "fleet CA ours")
+    theirs = tls.ensure_ca(tmp_path / "theirs", "fleet CA theirs")
+    model = tinymodels.ensure(tmp_path / "models")["tiny"]
+    verify = tls.client_context(ours.certificate_path)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = {"fleet's CA, this address": (ours, "127.0.0.1"), "another CA": (theirs, "127.0.0.1")}
+    cases["fleet's CA, another address"] = (ours, "127.0.0.2")
+    answered = {}
+    for case, (ca, address) in cases.items():
+        key, cert = _host_cert(ca, address, tmp_path / case.replace(" ", "_").replace("'", "").replace(",", ""))
+        flags = ["-np", "1", "-c", "512", "-t", "1", "--ssl-key-file", str(key), "--ssl-cert-file", str(cert)]
+        up = tls.client_context(ca.certificate_path)  # to see it come up at all, whatever its name
+        up.check_hostname = False
+        with run_llama_server(llama_server, model, *flags, tls=up) as url:
+            conn = Connection(Server(url, None, verify))
+            try:
+                answered[case] = (await conn.chat(body)).status
+            except StreamError as e:
+                answered[case] = str(e)
+            finally:
+                await conn.close()
+    assert answered["fleet's CA, this address"] == 200  # verified, and through TLS to the server itself
+    assert "CERTIFICATE_VERIFY_FAILED" in answered["another CA"]
+    assert "CERTIFICATE_VERIFY_FAILED" in answered["fleet's CA, another address"]
+
+
+def test_fleet_signs_only_the_public_key_of_a_well_formed_request(tmp_path):
+    ca = tls.ensure_ca(tmp_path / "ca", "fleet CA test")
+    assert stat.S_IMODE((tmp_path / "ca" / "ca.key").stat().st_mode) == 0o600
+    assert tls.ensure_ca(tmp_path / "ca", "fleet CA test").certificate == ca.certificate  # made once
+    key = ec.generate_private_key(ec.SECP256R1())
+    greedy = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bank.example")]))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("bank.example"), x509.IPAddress(ipaddress.ip_address("1.2.3.4"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = greedy.public_bytes(serialization.Encoding.PEM)
+    cert = x509.load_pem_x509_certificate(tls.sign_host(ca, pem, "203.0.113.7", "h1", _in(hours=5)))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(v) for v in names.get_values_for_type(x509.IPAddress)] == ["203.0.113.7"]
+    assert names.get_values_for_type(x509.DNSName) == []
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    assert cert.subject.rfc4514_string() == "CN=h1" and cert.public_key() == key.public_key()
+    assert cert.not_valid_after_utc <= _in(hours=5)
+
+    der = greedy.public_bytes(serialization.Encoding.DER)
+    flipped = der[:-3] + bytes([der[-3] ^ 1]) + der[-2:]  # one bit of the signature
+    tampered = x509.load_der_x509_csr(flipped).public_bytes(serialization.Encoding.PEM)
+    weak = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    weak_request = (
+        x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(weak, hashes.SHA256())
+    ).public_bytes(serialization.Encoding.PEM)
+    refused = {
+        "not a PEM certificate request": b"[/INST] not a request",
+        "over 8192 bytes": b"-" * (tls.MAX_REQUEST_BYTES + 1),
+        "not signed by its own key": tampered,
+        "1024 bits, under 2048": weak_request,
+    }
+    for why, request in refused.items():
+        with pytest.raises(tls.CertificateRequestRefused, match=why):
+            tls.sign_host(ca, request, "203.0.113.7", "h1", _in(hours=5))
+    with pytest.raises(tls.CertificateRequestRefused, match="end before it starts"):
+        tls.sign_host(ca, pem, "203.0.113.7", "h1", _in(hours=-1))
+    with pytest.raises(ValueError):
+        tls.sign_host(ca, pem, "host.example", "h1", _in(hours=5))  # an address, never a name
+
+
+async def test_the_first_ssh_connection_is_pinned_to_the_host_key_fleet_delivered(cloud, tmp_path):
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            etc = cloud.info.state_dir / "hosts" / str(host.instance_id) / "etc"
+            # the platform made its own key at boot; fleet's, from the create call's onstart, replaced it
+            assert (etc / "ssh_host_ed25519_key.pub").read_text().strip() == host.host_key
+            assert "host key installed" in (etc.parent / "log" / "onstart.log").read_text()
+            conn, presented = await connect(host.ssh_host, host.ssh_port, fleet.ssh_key, host.host_key, 30)
+            conn.close()
+            assert presented == host.host_key
+            # its private half went to the host in the create call, and is nowhere in fleet's own files
+            body = (etc / "ssh_host_ed25519_key").read_text().splitlines()[2:4]  # past the header every key shares
+            for path in tmp_path.rglob("*"):
+                if path.is_file():
+                    assert not any(line.encode() in path.read_bytes() for line in body), path
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_a_host_that_answers_ssh_with_another_key_at_first_contact_is_refused(cloud, tmp_path):
+    settings = settings_for(tmp_path, timeouts={"ssh": 20})
+    machine = await first_machine(settings)
+    cloud.set_faults({"foreign_host_key": [machine]})  # someone else answers its SSH from the start
+    try:
+        async with fleet_for(settings) as fleet:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+            try:
+                failed, ready = result.attempts
+                assert (failed.machine_id, failed.phase) == (machine, "connect")
+                assert "a host key other than the pinned one" in failed.reason
+                assert ready.outcome == "ready" and ready.machine_id != machine
+                assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
+            finally:
+                await fleet.destroy(None)
+    finally:
+        cloud.set_faults({})
+
+
+def test_an_address_fleet_would_connect_to_must_be_global():
+    refused = ["10.0.0.5", "192.168.1.20", "169.254.169.254", "0.0.0.0", "::1", "fd00::1", "127.0.0.1", "x;rm -rf /"]
+    for address in refused:
+        assert addresses.refusal(address, loopback_ok=False) is not None, address
+    assert addresses.refusal("127.0.0.1", loopback_ok=True) is None  # the local cloud's hosts, on this machine
+    assert addresses.refusal("10.0.0.5", loopback_ok=True) is not None  # never a private network
+    assert addresses.refusal("8.8.8.8", loopback_ok=False) is None
+    assert addresses.refusal("ssh5.vast.ai", loopback_ok=False) is not None  # no name where an IP belongs
+    assert addresses.refusal("ssh5.vast.ai", loopback_ok=False, names_ok=True) is None  # the SSH gateway
+    assert addresses.refusal("ssh5.vast.ai;reboot", loopback_ok=False, names_ok=True) is not None

@@ -5,7 +5,6 @@ import os
 import stat
 import time
 
-import httpx
 import pytest
 
 from fleet.control.up import UpRequest
@@ -33,11 +32,11 @@ async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):
         assert host.host_key and host.api_key and host.api_url
         assert host.geolocation[-2:] in settings.regions["eu"]
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        async with httpx.AsyncClient(base_url=host.api_url, timeout=10) as client:
-            ok = await client.post(
-                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {host.api_key}"}
-            )
+        assert host.api_url.startswith("https://")
+        async with fleet.server(host).client(timeout=10) as client:
+            ok = await client.post("/v1/chat/completions", json=body)
             assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+        async with fleet.server(host).without_key().client(timeout=10) as client:
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
 
         status = fleet.status()

@@ -12,6 +12,7 @@ import asyncio
 import json
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -21,6 +22,7 @@ from fleet.control.destroy import destroy
 from fleet.control.up import UpRequest, up
 from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
+from fleet.engines import SERVICE_PORT
 from fleet.host import measure
 from fleet.host.endpoints import publish_endpoints
 from fleet.host.remote import HostKeyMismatch
@@ -66,15 +68,20 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
         return False, True, f"vast.ai stopped the instance: {instance.status_msg or 'no message'}"
     if instance.down:
         return False, True, f"the instance is {instance.status}"
+    listed = instance.service_endpoint(SERVICE_PORT)
+    recorded = urlsplit(host.api_url or "")
+    if listed is None or (listed[0], listed[1]) != (recorded.hostname, recorded.port):
+        # a restarted instance's old port may be another renter's now: nothing more goes to this host
+        where = f"{listed[0]}:{listed[1]}" if listed else "no address"
+        return False, True, f"the marketplace now lists its server at {where[:80]}, not {recorded.netloc}"
     timeout = ctx.settings.rotation.health_timeout_s
     try:
-        async with httpx.AsyncClient(base_url=host.api_url or "", timeout=timeout) as client:
+        async with ctx.server(host).client(timeout=timeout) as client:
             health = await client.get("/health")
             if health.status_code != 200:
                 return False, False, f"/health answered {health.status_code}"
             reply = await client.post(
                 "/v1/chat/completions",
-                headers={"Authorization": f"Bearer {host.api_key}"},
                 json={"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2},
             )
             if reply.status_code != 200:

@@ -3,10 +3,12 @@ first use beside the database, private to its owner."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
+
+from fleet.core.files import write_private, write_public
 
 
 @dataclass(frozen=True)
@@ -15,14 +17,28 @@ class SshKey:
     public: str
 
 
+@dataclass(frozen=True)
+class HostKey:
+    """An SSH host key fleet makes for a host it rents: the private half goes to the host in the create
+    call (over the marketplace's TLS) and nowhere else; the public half is pinned before first contact."""
+
+    private: str = field(repr=False)  # OpenSSH format
+    public: str
+
+
+def new_host_key() -> HostKey:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    return HostKey(key.export_private_key().decode(), key.export_public_key().decode().strip())
+
+
 def ensure_key(path: Path) -> SshKey:
-    """fleet's own SSH key (ed25519, private file 0600), made on first use."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.parent.chmod(0o700)
+    """fleet's own SSH key (ed25519, private file 0600 from its first byte), made on first use; two
+    processes making it at once agree on one."""
     if not path.exists():
         key = asyncssh.generate_private_key("ssh-ed25519", comment="fleet")
-        key.write_private_key(str(path))
-        path.chmod(0o600)
-        key.write_public_key(str(path) + ".pub")
-    public = Path(str(path) + ".pub").read_text().strip()
+        write_private(path, key.export_private_key())
+    public = asyncssh.read_private_key(str(path)).export_public_key().decode().strip()
+    public_path = Path(str(path) + ".pub")
+    if not public_path.exists() or public_path.read_text().strip() != public:
+        write_public(public_path, (public + "\n").encode())
     return SshKey(path, public)

@@ -6,6 +6,9 @@ Every engine's files on a host live under one layout, which the image's host scr
 RUN_DIR = "fleet-run"  # on the host, beside the models: the API key file, the server's PID and log
 MODELS_DIR = "models"
 TEMPLATE_FILE = f"{RUN_DIR}/chat-template.jinja"  # the chat template fleet puts on the host, when a profile names one
+# The host's TLS key (made there, never read by fleet) and the certificate fleet's CA signed for it
+TLS_KEY_FILE = f"{RUN_DIR}/tls.key"
+TLS_CERT_FILE = f"{RUN_DIR}/tls.pem"
 # The server's port inside the host. An ordinary port: vast.ai maps it to a random external port on the
 # public IP and lists that in the instance's `ports` (an identity port above 70000 is never listed there).
 SERVICE_PORT = 18080

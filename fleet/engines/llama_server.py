@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.core.config import Profile
-from fleet.engines import TEMPLATE_FILE
+from fleet.engines import TEMPLATE_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 
 # The CUDA architectures the host image's llama-server is built for (images/llama-server/Dockerfile's
 # CUDA_ARCHITECTURES; a test holds the two equal). An offer's card must be one of them: vast.ai gives its
@@ -26,16 +26,19 @@ COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
 # On every host: /slots would hand every caller's transcript to any holder of the key, and the web UI serves
 # nothing a voice agent needs; /metrics says how many requests are in flight (a drain reads it) and no more.
 EXPOSURE = ["--no-slots", "--no-webui", "--metrics"]
+# Every host serves HTTPS alone: a call's transcript crosses the internet (fleet/core/tls.py signs the cert).
+TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
 # Prometheus gauge of the requests a server is processing now
 REQUESTS_PROCESSING = "llamacpp:requests_processing"
 
 
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
     """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template
-    fleet put on the host when the profile names one, what it exposes, port, alias."""
+    fleet put on the host when the profile names one, what it exposes, its TLS key and certificate, port,
+    alias."""
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
-    return ["-m", files["main"], *args, *template, *EXPOSURE, "--port", str(port), "-a", profile.name]
+    return ["-m", files["main"], *args, *template, *EXPOSURE, *TLS, "--port", str(port), "-a", profile.name]
 
 
 def requests_processing(metrics: str) -> int | None:

@@ -24,8 +24,10 @@ import httpx
 from fleet.context import Context
 from fleet.core import failpoints
 from fleet.core.config import ConfigError, Profile, Provider
+from fleet.core.keys import new_host_key
 from fleet.core.models import Host, HostState, utcnow
 from fleet.engines import SERVICE_PORT
+from fleet.host import addresses, certificate, hostkey
 from fleet.host import ops as hostops
 from fleet.host import profile as profiles
 from fleet.host.instance import wait_running, wait_stopped
@@ -35,6 +37,7 @@ from fleet.host.remote import RemoteError, connect
 from fleet.market import AuthError, CreateFailed, CreditSpent, Instance, InstanceSpec, MarketError, Offer, OfferGone
 from fleet.plan.memory import card_problem
 from fleet.probes import ProbeResult
+from fleet.probes.server import Server
 from fleet.probes.thermal import sample_card
 
 GRACE_S = 5.0  # a phase's own deadline fires first with its own words; this one is the backstop
@@ -127,14 +130,17 @@ class BringUp:
     async def create(self) -> None:
         ctx, host, offer = self.ctx, self.host, self.offer
         assert offer is not None
+        host_key = new_host_key()
         spec = InstanceSpec(
             image=ctx.settings.provider.image,
             disk_gb=self.profile.disk_gb,
             label=host.label,
             env={},
             ports=[SERVICE_PORT],
+            onstart=hostkey.onstart(host_key),
             image_login=image_login(ctx.settings.provider),
         )
+        ctx.record.update(host, host_key=host_key.public)  # pinned before first contact
         ctx.reporter.info(
             host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
         )
@@ -189,18 +195,26 @@ class BringUp:
     async def connect(self) -> None:
         assert self.instance is not None
         endpoint = self.instance.ssh_endpoint()
-        if endpoint is None or self.instance.service_endpoint(SERVICE_PORT) is None:
+        service = self.instance.service_endpoint(SERVICE_PORT)
+        if endpoint is None or service is None:
             raise PhaseFailed("boot", f"running without an SSH endpoint or a mapping of port {SERVICE_PORT}")
+        loopback_ok = self.ctx.settings.provider.is_local
+        addresses.require(endpoint[0], loopback_ok=loopback_ok, names_ok=True)
+        addresses.require(service[0], loopback_ok=loopback_ok)
         try:
             async with self.ctx.waits.on("ssh"):
-                self.conn, host_key = await connect(
-                    endpoint[0], endpoint[1], self.ctx.ssh_key, None, self.ctx.settings.timeouts.ssh
+                # the key fleet made for it at create (the platform's own until onstart has swapped it in)
+                self.conn, _ = await connect(
+                    endpoint[0],
+                    endpoint[1],
+                    self.ctx.ssh_key,
+                    self.host.host_key,
+                    self.ctx.settings.timeouts.ssh,
+                    settling=True,
                 )
         except RemoteError as e:
             raise PhaseFailed("connect", str(e)) from None
-        self.ctx.record.update(
-            self.host, ssh_host=endpoint[0], ssh_port=endpoint[1], host_key=host_key, connected_at=utcnow()
-        )
+        self.ctx.record.update(self.host, ssh_host=endpoint[0], ssh_port=endpoint[1], connected_at=utcnow())
         then = "checking the weights it kept" if self.resume else "pulling weights"
         self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); {then}")
 
@@ -240,15 +254,17 @@ class BringUp:
         service = self.instance.service_endpoint(SERVICE_PORT)
         assert service is not None
         api_key = secrets.token_urlsafe(32)
-        api_url = f"http://{service[0]}:{service[1]}"
+        api_url = certificate.https_url(service[0], service[1])
         async with self.ctx.waits.on("server"):
+            await certificate.install(
+                self.conn, self.ctx.ca, service[0], self.host.name, certificate.lifetime_end(self.host.contract_end_at)
+            )
             await hostops.start_server(
                 self.conn,
                 self.profile,
                 SERVICE_PORT,
                 self.files,
-                api_key,
-                api_url,
+                Server(api_url, api_key, self.ctx.tls),
                 self.ctx.settings.timeouts.load,
                 await profiles.chat_template(self.ctx, self.profile) if self.profile.chat_template else None,
             )

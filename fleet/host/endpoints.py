@@ -1,5 +1,6 @@
 """What a voice agent needs from each READY host, and the file that set is published to on every change
-(rotation.endpoints_file: written atomically, private, API keys included)."""
+(rotation.endpoints_file: written atomically, private, API keys included). Every URL is https://, its
+certificate signed by fleet's CA: `ca_file` is what an agent verifies it with."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def endpoints(ctx: Context) -> list[dict[str, Any]]:
             "slots": h.slots,
             "region": h.region,
             "api_key": h.api_key,
+            "ca_file": str(ctx.ca.certificate_path),  # the only CA a host's certificate verifies against
         }
         for h in ctx.record.hosts(states=(HostState.READY,))
     ]

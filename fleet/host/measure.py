@@ -64,7 +64,7 @@ async def probe_host(
     assert host.api_url and host.api_key
     try:
         async with asyncio.timeout(timeout_s), ctx.waits.on("server"):
-            results = await run_probes(names, host.api_url, host.api_key, profile, ctx.settings, ssh, plot_path)
+            results = await run_probes(names, ctx.server(host), profile, ctx.settings, ssh, plot_path)
     except (TimeoutError, httpx.HTTPError, FleetError, OSError) as e:
         raise PhaseFailed("probes", f"probing failed: {type(e).__name__}: {e}") from None
     for result in results:
@@ -114,8 +114,7 @@ async def bench(
     assert host.api_url and host.api_key and host.id is not None
     target = ctx.settings.profile(host.model).voice
     levels = await run_bench(
-        host.api_url,
-        host.api_key,
+        ctx.server(host),
         load_call(),
         max_callers=max_callers,
         waves=waves,

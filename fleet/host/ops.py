@@ -8,6 +8,7 @@ step that fails raises PhaseFailed with the phase and why.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from fleet.engines.llama_server import server_argv
 from fleet.host import hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
+from fleet.probes.server import Server
 
 # How many times one file's pull may be given a fresh signed URL: each time only after the last one moved
 # bytes (a pull that outlives its URL resumes where it was; one that never moves fails).
@@ -129,29 +131,36 @@ async def start_server(
     profile: Profile,
     port: int,
     files: dict[str, str],
-    api_key: str,
-    api_url: str,
+    server: Server,
     timeout_s: float,
     chat_template: str | None = None,
 ) -> None:
     """Put the profile's chat template on the host (its text on stdin), start llama-server (the key on
-    stdin) and wait for /health; fail fast when it dies."""
+    stdin) and wait for /health over verified TLS; fail fast when it dies."""
     try:
         if chat_template is not None:
             put = 'mkdir -p "$1" && chmod 700 "$1" && cat > "$2"'
             await run(conn, ["sh", "-c", put, "sh", RUN_DIR, TEMPLATE_FILE], stdin=chat_template, timeout_s=60)
         await run(
-            conn, ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)], stdin=api_key + "\n", timeout_s=60
+            conn,
+            ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)],
+            stdin=f"{server.api_key}\n",
+            timeout_s=60,
         )
     except RemoteError as e:
         raise PhaseFailed("start", str(e)) from None
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with server.without_key().client(timeout=5) as client:
         polls = 0
         while time.monotonic() < deadline:
             try:
-                if (await client.get(f"{api_url}/health")).status_code == 200:
+                if (await client.get("/health")).status_code == 200:
                     return
+            except httpx.ConnectError as e:
+                if isinstance(e.__context__, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+                    # not the certificate fleet signed for this host: someone in the middle, or the host lying
+                    why = f"the server's certificate does not verify against fleet's CA: {e}"
+                    raise PhaseFailed("start", why) from None
             except httpx.TransportError:
                 pass
             polls += 1

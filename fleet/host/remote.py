@@ -22,12 +22,14 @@ class HostKeyMismatch(RemoteError):
 
 
 async def connect(
-    host: str, port: int, key: SshKey, pinned_host_key: str | None, timeout_s: float
+    host: str, port: int, key: SshKey, pinned_host_key: str | None, timeout_s: float, *, settling: bool = False
 ) -> tuple[asyncssh.SSHClientConnection, str]:
     """Connect as root, retrying until `timeout_s` (sshd may still be starting).
 
-    With `pinned_host_key` None, the first key seen is accepted and returned for pinning;
-    otherwise only that key is accepted.
+    With `pinned_host_key` None, the first key seen is accepted and returned (only a host fleet did not
+    rent itself has no pinned key); otherwise only that key is accepted. `settling`: a host just booted
+    may present its platform's key until onstart installs the pinned one: another key is tried again
+    until `timeout_s`, then refused as a mismatch.
     """
     known_hosts: object = None
     if pinned_host_key:
@@ -54,10 +56,15 @@ async def connect(
             assert presented is not None
             return conn, presented.export_public_key().decode().strip()
         except asyncssh.HostKeyNotVerifiable as e:
-            raise HostKeyMismatch(f"{host}:{port} presented a host key other than the pinned one") from e
+            mismatch = HostKeyMismatch(f"{host}:{port} presented a host key other than the pinned one")
+            if not settling or asyncio.get_running_loop().time() >= deadline:
+                raise mismatch from e
+            last = mismatch
         except (TimeoutError, OSError, asyncssh.Error) as e:
             last = e
         if asyncio.get_running_loop().time() >= deadline:
+            if isinstance(last, HostKeyMismatch):
+                raise last  # it answered, for the whole wait, with a key fleet did not make for it
             raise RemoteError(f"SSH to {host}:{port} failed: {type(last).__name__}: {last}")
         await asyncio.sleep(0.5)
 

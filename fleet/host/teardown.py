@@ -35,9 +35,7 @@ async def drain(ctx: Context, host: Host) -> None:
     /slots), or the drain timeout. An answer that does not say (an error status, garbage) says nothing about
     the calls in flight: wait it out. Only a server that no longer accepts connections has nothing to drain."""
     deadline = time.monotonic() + ctx.settings.rotation.drain_timeout_s
-    async with httpx.AsyncClient(
-        base_url=host.api_url or "", timeout=5, headers={"Authorization": f"Bearer {host.api_key}"}
-    ) as client:
+    async with ctx.server(host).client(timeout=5) as client:
         while time.monotonic() < deadline:
             try:
                 text = await _metrics(client)

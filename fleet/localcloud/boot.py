@@ -137,7 +137,8 @@ class Booting:
         if inst.ssh_mode:
             later.append(lambda: host.install_keys(inst.authorized_keys))
         if inst.onstart:
-            later.append(lambda: host.run_onstart(inst.onstart or "", env))
+            foreign = inst.machine_id in self.faults.foreign_host_key
+            later.append(lambda: host.run_onstart(inst.onstart or "", env, foreign_key=foreign))
         await self._host_steps(inst, later)
 
     async def _host_steps(self, inst: Instance, steps: list) -> bool:

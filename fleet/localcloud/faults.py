@@ -96,6 +96,8 @@ class Faults:
     pull_stall: PullStall | None = None
     offline_after_s: dict[int, float] = field(default_factory=dict)  # machine -> its network goes, for good
     host_key_change: list[int] = field(default_factory=list)  # machines whose SSH host key is made anew now
+    # machines whose sshd never takes the host key the create call's onstart installs: someone else answers
+    foreign_host_key: list[int] = field(default_factory=list)
     freeze_server: list[int] = field(
         default_factory=list
     )  # machines (set before renting) whose llama-server never starts
@@ -138,6 +140,7 @@ class Faults:
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,
             offline_after_s={int(k): float(v) for k, v in data.get("offline_after_s", {}).items()},
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
+            foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
             missing_images=[str(x) for x in data.get("missing_images", [])],

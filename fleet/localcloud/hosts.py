@@ -71,11 +71,14 @@ class LocalHost:
         """What every process of the host has: the image's PATH, HOME, the host's network and marker.
 
         FLEET_LISTEN_HOST is the host's own address: what 0.0.0.0 is inside a container's network
-        namespace (the image's scripts default to 0.0.0.0)."""
+        namespace (the image's scripts default to 0.0.0.0). FLEET_HOST_KEY_DIR and FLEET_SSHD_PID_FILE are
+        where this host's sshd keeps what a container's keeps in /etc/ssh and /run/sshd.pid."""
         return {
             "PATH": f"{self.bin_dir}:{BASE_PATH}",
             "HOME": str(self.root),
             "FLEET_LISTEN_HOST": self.private_ip,
+            "FLEET_HOST_KEY_DIR": str(self.etc),
+            "FLEET_SSHD_PID_FILE": str(self.directory / "sshd.pid"),
             "TMUX_TMPDIR": str(self.directory / "tmux"),
             procs.MARKER: self.token,
         }
@@ -157,12 +160,14 @@ class LocalHost:
             ),
         )
 
-    def _spawn(self, argv: list[str], log_name: str, env: dict[str, str]) -> int:
+    def _spawn(
+        self, argv: list[str], log_name: str, env: dict[str, str], overrides: dict[str, str] | None = None
+    ) -> int:
         with (self.log_dir / log_name).open("ab") as log:
             process = subprocess.Popen(
                 argv,
                 cwd=self.root,
-                env={**env, **self.base_env()},
+                env={**env, **self.base_env(), **(overrides or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -215,11 +220,17 @@ class LocalHost:
     def install_keys(self, authorized_keys: list[str]) -> None:
         _write_private(self.root / ".ssh" / "authorized_keys", "".join(k.strip() + "\n" for k in authorized_keys))
 
-    def run_onstart(self, script: str, env: dict[str, str]) -> int:
-        """Run the create call's onstart script (as /root/onstart.sh) with the container's environment."""
+    def run_onstart(self, script: str, env: dict[str, str], foreign_key: bool = False) -> int:
+        """Run the create call's onstart script (as /root/onstart.sh) with the container's environment.
+        `foreign_key`: the host key it installs never reaches sshd, which goes on presenting the platform's
+        (someone else answers the host's SSH)."""
         path = self.root / "onstart.sh"
         _write_private(path, script)
-        return self._spawn(["/bin/sh", str(path)], "onstart.log", env)
+        decoy = self.directory / "decoy"
+        overrides = {"FLEET_HOST_KEY_DIR": str(decoy), "FLEET_SSHD_PID_FILE": str(decoy / "none")}
+        if foreign_key:
+            decoy.mkdir(exist_ok=True)
+        return self._spawn(["/bin/sh", str(path)], "onstart.log", env, overrides if foreign_key else None)
 
     def host_public_key(self) -> str | None:
         path = self.etc / "ssh_host_ed25519_key.pub"

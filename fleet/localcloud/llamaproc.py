@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,8 +17,11 @@ from fleet.localcloud.network import free_port
 
 
 @contextmanager
-def llama_server(binary: Path, model: Path, *flags: str, timeout_s: float = 20.0) -> Iterator[str]:
-    """Serve `model` on a free loopback port in its own process group; yield the base URL; end it."""
+def llama_server(
+    binary: Path, model: Path, *flags: str, timeout_s: float = 20.0, tls: ssl.SSLContext | None = None
+) -> Iterator[str]:
+    """Serve `model` on a free loopback port in its own process group; yield the base URL; end it. With
+    `tls` (the flags carry --ssl-key-file and --ssl-cert-file), the URL is https:// and checked with it."""
     port = free_port()
     process = subprocess.Popen(
         [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags],
@@ -25,12 +29,12 @@ def llama_server(binary: Path, model: Path, *flags: str, timeout_s: float = 20.0
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{base}/health", timeout=1, verify=tls or True).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

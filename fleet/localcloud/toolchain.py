@@ -36,9 +36,10 @@ def patchset_id(patches: Path = PATCHES) -> str:
 
 
 def llama_server_build(*, stock: bool = False) -> Path:
-    """Where scripts/build-llama-server puts its build: keyed by version and patch set (or `stock`)."""
+    """Where scripts/build-llama-server puts its build: keyed by version, patch set (or `stock`) and its
+    features (`tls`: built with OpenSSL)."""
     flavour = "stock" if stock else f"p{patchset_id()}"
-    return cache_dir() / "llama.cpp" / f"{llama_cpp_version()}-{flavour}"
+    return cache_dir() / "llama.cpp" / f"{llama_cpp_version()}-{flavour}-tls"
 
 
 def llama_server_path(*, stock: bool = False) -> Path | None:

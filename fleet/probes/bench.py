@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
-
 from fleet.probes.call import Call
+from fleet.probes.server import Server
 from fleet.probes.stream import ChatResult, Connection
 
 
@@ -76,11 +75,9 @@ def summarize(
     )
 
 
-async def fit_call(base_url: str, api_key: str, call: Call, share_of_ctx: float = 0.4) -> tuple[Call, int]:
+async def fit_call(server: Server, call: Call, share_of_ctx: float = 0.4) -> tuple[Call, int]:
     """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots)."""
-    async with httpx.AsyncClient(
-        base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
-    ) as client:
+    async with server.client(timeout=60) as client:
         props = (await client.get("/props")).raise_for_status().json()
         slots = int(props.get("total_slots") or 1)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
@@ -94,8 +91,8 @@ async def fit_call(base_url: str, api_key: str, call: Call, share_of_ctx: float 
 
 
 class Caller:
-    def __init__(self, base_url: str, api_key: str, call: Call, offset: int, max_tokens: int) -> None:
-        self.conn = Connection(base_url, api_key)
+    def __init__(self, server: Server, call: Call, offset: int, max_tokens: int) -> None:
+        self.conn = Connection(server)
         self.call = call
         self.turn = offset
         self.max_tokens = max_tokens
@@ -112,8 +109,7 @@ class Caller:
 
 
 async def run_level(
-    base_url: str,
-    api_key: str,
+    server: Server,
     call: Call,
     callers: int,
     waves: int,
@@ -121,7 +117,7 @@ async def run_level(
     max_tokens: int,
     one_caller_decode: float | None,
 ) -> LevelResult:
-    people = [Caller(base_url, api_key, call, offset=i * 3, max_tokens=max_tokens) for i in range(callers)]
+    people = [Caller(server, call, offset=i * 3, max_tokens=max_tokens) for i in range(callers)]
     measured: list[tuple[float, list[ChatResult]]] = []
     try:
         for wave in range(1 + warmup + waves):
@@ -154,8 +150,7 @@ def sweep(most: int) -> Callable[[dict[int, LevelResult]], int | None]:
 
 
 async def run_bench(
-    base_url: str,
-    api_key: str,
+    server: Server,
     call: Call,
     *,
     max_callers: int | None = None,
@@ -167,13 +162,13 @@ async def run_bench(
     """Measure levels of concurrent callers in the order `search(most)` picks them (given what was
     measured so far) until it says None; the results in order of callers. One caller is measured first:
     its decode rate is what the others' share is of."""
-    call, slots = await fit_call(base_url, api_key, call)
+    call, slots = await fit_call(server, call)
     most = max_callers or slots
     choose = search(most)
     measured: dict[int, LevelResult] = {}
     one_caller: float | None = None
     while (n := choose(measured) if measured else 1) is not None:
-        level = await run_level(base_url, api_key, call, n, waves, warmup, max_tokens, one_caller)
+        level = await run_level(server, call, n, waves, warmup, max_tokens, one_caller)
         if n == 1:
             one_caller = level.decode_per_caller_tok_s
             level.decode_share = 1.0 if one_caller else None

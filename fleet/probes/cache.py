@@ -24,6 +24,7 @@ import httpx
 from fleet.probes import ProbeResult
 from fleet.probes.call import Call
 from fleet.probes.renderings import CountTokens, Glue, Message, PrefixBreak, Render, check_renderings
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection
 
 REWRITE_REPLY = "Sorry, go on."
@@ -123,8 +124,7 @@ def server_token_count(client: httpx.AsyncClient) -> CountTokens:
 
 
 async def run_cache(
-    base_url: str,
-    api_key: str,
+    server: Server,
     call: Call,
     turns: int,
     reply_tokens: int,
@@ -132,12 +132,11 @@ async def run_cache(
     allowance: int,
     accepted: list[str] | tuple[str, ...] = (),
 ) -> ProbeResult:
-    headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
+    async with server.client(timeout=120) as client:
         renderings = await check_renderings(
             server_renderer(client), server_token_count(client), call.system, call.user_turns[0], call.tools
         )
-    conn = Connection(base_url, api_key)
+    conn = Connection(server)
     try:
         messages: list[dict[str, Any]] = [{"role": "system", "content": call.system}]
         warm: list[WarmTurn] = []

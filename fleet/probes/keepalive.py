@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleet.probes import ProbeResult
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection
 
 BODY = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
@@ -27,8 +28,8 @@ def judge_keepalive(server_closed: bool, connection_reused: bool, metrics: dict[
     return ProbeResult("keepalive", not gate, diagnosis + ("" if gate else " (reported, not a gate)"), metrics)
 
 
-async def run_keepalive(base_url: str, api_key: str, gate: bool) -> ProbeResult:
-    conn = Connection(base_url, api_key)
+async def run_keepalive(server: Server, gate: bool) -> ProbeResult:
+    conn = Connection(server)
     try:
         first = await conn.chat(BODY, check_close=True)
         second = await conn.chat(BODY, check_close=True)

@@ -11,6 +11,7 @@ from fleet.probes import ProbeResult
 from fleet.probes.cache import run_cache
 from fleet.probes.call import load_call
 from fleet.probes.keepalive import run_keepalive
+from fleet.probes.server import Server
 from fleet.probes.smoke import run_smoke
 from fleet.probes.thermal import plot, run_thermal
 
@@ -19,8 +20,7 @@ PROBES = ("smoke", "cache", "keepalive", "thermal")
 
 async def run_probes(
     names: list[str],
-    api_url: str,
-    api_key: str,
+    server: Server,
     profile: Profile,
     settings: Settings,
     ssh: asyncssh.SSHClientConnection | None,
@@ -31,13 +31,12 @@ async def run_probes(
     results = []
     for name in names:
         if name == "smoke":
-            results.append(await run_smoke(api_url, api_key))
+            results.append(await run_smoke(server))
         elif name == "cache":
             call = load_call().with_system_chars(p.system_chars)
             results.append(
                 await run_cache(
-                    api_url,
-                    api_key,
+                    server,
                     call,
                     p.turns,
                     p.reply_tokens,
@@ -47,11 +46,10 @@ async def run_probes(
                 )
             )
         elif name == "keepalive":
-            results.append(await run_keepalive(api_url, api_key, limits.keepalive_gate))
+            results.append(await run_keepalive(server, limits.keepalive_gate))
         elif name == "thermal":
             result, rates, cards = await run_thermal(
-                api_url,
-                api_key,
+                server,
                 ssh,
                 slots=profile.slots,
                 seconds=p.thermal_seconds,

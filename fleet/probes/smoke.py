@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleet.probes import ProbeResult
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection
 
 EMPTY_THOUGHT = "<|channel>thought\n<channel|>"
@@ -56,10 +57,10 @@ def judge_smoke(response: dict[str, Any], max_tokens: int) -> ProbeResult:
     return ProbeResult("smoke", True, "content is not empty", metrics)
 
 
-async def run_smoke(base_url: str, api_key: str) -> ProbeResult:
+async def run_smoke(server: Server) -> ProbeResult:
     """Ask once with the key, streamed (must answer with content), and once without (must be refused)."""
     body = {"messages": SMOKE_MESSAGES, "max_tokens": SMOKE_MAX_TOKENS, "temperature": 0}
-    with_key, without_key = Connection(base_url, api_key), Connection(base_url, None)
+    with_key, without_key = Connection(server), Connection(server.without_key())
     try:
         answer = await with_key.chat(body)
         refused = await without_key.chat(body)

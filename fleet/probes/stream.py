@@ -2,7 +2,9 @@
 
 The timer starts before the TCP connect (when the request needs a new connection) and stops at
 the first non-empty `content` delta of the SSE stream: role-only chunks, empty deltas, reasoning and
-tool-call deltas do not count. Connect, time to headers, first content and total are kept apart.
+tool-call deltas do not count. Connect, the TLS handshake, time to headers, first content and total are
+kept apart. A host speaks only HTTPS, verified against fleet's CA; plain HTTP is for a server on this
+machine.
 It is a plain socket client on purpose: it must see exactly when the server closes a connection,
 which a pooling HTTP library hides.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +22,7 @@ from urllib.parse import urlsplit
 
 from fleet.core.errors import FleetError
 from fleet.engines.llama_server import Timings
+from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
 
@@ -59,11 +63,12 @@ class SseParser:
 
 @dataclass
 class Timing:
-    connect_ms: float | None  # None when the request reused an open connection
+    connect_ms: float | None  # the TCP connect; None when the request reused an open connection
     headers_ms: float
     first_content_ms: float | None
     total_ms: float
     reused: bool
+    tls_ms: float | None = None  # the TLS handshake after the connect; None when reused or plain HTTP
 
 
 @dataclass
@@ -100,13 +105,16 @@ class ChatResult:
 class Connection:
     """One client connection to a llama-server, reopened only when the server closed it."""
 
-    def __init__(self, base_url: str, api_key: str | None) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise StreamError(f"only http:// URLs are supported, not {base_url!r}")
+    def __init__(self, server: Server) -> None:
+        parts = urlsplit(server.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StreamError(f"only http:// and https:// URLs are supported, not {server.url!r}")
         self.host = parts.hostname
-        self.port = parts.port or 80
-        self.api_key = api_key
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.api_key = server.api_key
+        self.tls: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self.tls = server.tls or ssl.create_default_context()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self.opened = 0  # how many TCP connections this object has made
@@ -122,21 +130,33 @@ class Connection:
                 await self._writer.wait_closed()
         self._reader = self._writer = None
 
-    async def _ensure_open(self) -> float | None:
+    async def _ensure_open(self) -> tuple[float, float | None] | None:
+        """(connect ms, TLS handshake ms) for a new connection; None when the open one is kept."""
         if self.is_open:
             return None
         await self.close()
         started = time.perf_counter()
-        self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        connected = time.perf_counter()
+        tls_ms = None
+        if self.tls is not None:
+            try:
+                await writer.start_tls(self.tls, server_hostname=self.host)
+            except (ssl.SSLError, ConnectionError) as e:
+                writer.close()
+                raise StreamError(f"TLS with {self.host}:{self.port} failed: {e}") from None
+            tls_ms = (time.perf_counter() - connected) * 1000
+        self._reader, self._writer = reader, writer
         self.opened += 1
-        return (time.perf_counter() - started) * 1000
+        return (connected - started) * 1000, tls_ms
 
     async def chat(self, body: dict[str, Any], *, check_close: bool = False) -> ChatResult:
         """POST /v1/chat/completions with stream on; time it; parse the SSE events."""
         payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
         started = time.perf_counter()
-        connect_ms = await self._ensure_open()
-        reused = connect_ms is None
+        opened = await self._ensure_open()
+        reused = opened is None
+        connect_ms, tls_ms = opened if opened is not None else (None, None)
         assert self._reader is not None and self._writer is not None
         head = [
             "POST /v1/chat/completions HTTP/1.1",
@@ -158,7 +178,7 @@ class Connection:
                 return await self.chat(body, check_close=check_close)
             raise StreamError(f"connection failed: {e}") from None
         headers_ms = (time.perf_counter() - started) * 1000
-        result = ChatResult(status=status, timing=Timing(connect_ms, headers_ms, None, 0.0, reused))
+        result = ChatResult(status=status, timing=Timing(connect_ms, headers_ms, None, 0.0, reused, tls_ms))
         parser = SseParser()
         first_content: float | None = None
         if status != 200:

@@ -22,6 +22,7 @@ import asyncssh
 from fleet.core.errors import FleetError
 from fleet.probes import ProbeResult
 from fleet.probes.gpu import QUERY, GpuParseError, GpuSample, parse_query_csv
+from fleet.probes.server import Server
 from fleet.probes.stream import Connection, StreamError
 
 LOAD_PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
@@ -130,14 +131,14 @@ async def sample_card(ssh: asyncssh.SSHClientConnection | None) -> list[GpuSampl
 class _Load:
     """Callers streaming long replies back to back on the other slots, until closed."""
 
-    def __init__(self, base_url: str, api_key: str, callers: int, tokens: int) -> None:
-        self.base_url, self.api_key, self.tokens = base_url, api_key, tokens
+    def __init__(self, server: Server, callers: int, tokens: int) -> None:
+        self.server, self.tokens = server, tokens
         self.stop = False
         self.count = LoadCount(callers)
         self.tasks = [asyncio.create_task(self._caller()) for _ in range(callers)]
 
     async def _caller(self) -> None:
-        conn = Connection(self.base_url, self.api_key)
+        conn = Connection(self.server)
         try:
             while not self.stop:
                 try:
@@ -153,7 +154,7 @@ class _Load:
                     self.count.failed += 1
                     self.count.last_error = f"{type(e).__name__}: {e}"
                     await conn.close()
-                    conn = Connection(self.base_url, self.api_key)
+                    conn = Connection(self.server)
                     await asyncio.sleep(0.2)  # a refused connection must not spin
         finally:
             await conn.close()
@@ -163,8 +164,8 @@ class _Load:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def one_caller_rate(base_url: str, api_key: str, tokens: int) -> float:
-    conn = Connection(base_url, api_key)
+async def one_caller_rate(server: Server, tokens: int) -> float:
+    conn = Connection(server)
     try:
         r = await conn.chat({"messages": LOAD_PROMPT, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True})
     finally:
@@ -175,8 +176,7 @@ async def one_caller_rate(base_url: str, api_key: str, tokens: int) -> float:
 
 
 async def run_thermal(
-    base_url: str,
-    api_key: str,
+    server: Server,
     ssh: asyncssh.SSHClientConnection | None,
     *,
     slots: int,
@@ -200,10 +200,10 @@ async def run_thermal(
             cards.append(CardPoint(time.monotonic() - started, s))
 
     await take_card()
-    load = _Load(base_url, api_key, max(slots - 1, 0), tokens)
+    load = _Load(server, max(slots - 1, 0), tokens)
     try:
         while True:
-            rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(base_url, api_key, tokens)))
+            rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(server, tokens)))
             await take_card()
             left = seconds - (time.monotonic() - started)
             if left <= 0 and len(rates) >= min_samples:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from fleet.control import rotation
@@ -64,10 +63,8 @@ async def test_reconcile_leaves_a_draining_host_to_the_process_draining_it(cloud
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=host.api_url, timeout=60) as client:
-            call = asyncio.create_task(
-                client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {host.api_key}"})
-            )
+        async with fleet.server(host).client(timeout=60) as client:
+            call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
             await asyncio.sleep(0.5)  # the call is in flight: the drain waits for it
             retiring = asyncio.create_task(rotation.retire(fleet, host, "test", blacklist=False))
             await wait_state(fleet, host.name, (HostState.DRAINING,))
@@ -113,6 +110,8 @@ async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exit
         "FLEET_CONFIG": str(write_config(tmp_path)),
         "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
     }
+    # neither pull ever finishes: the interrupt lands mid bring-up however slow this machine is
+    cloud.set_faults({"pull_stall": {"files": ["tiny-llama-bytes.gguf"], "count": 2}})
     up = subprocess.Popen(
         [sys.executable, "-m", "fleet.cli", "up", "--model", "tiny", "--region", "eu", "--count", "2"],
         env=env,
@@ -134,6 +133,7 @@ async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exit
             hosts = fleet.record.hosts()
             assert len(hosts) == 2 and all(h.destroyed_at for h in hosts), [(h.name, h.state) for h in hosts]
         finally:
+            cloud.set_faults({})
             await fleet.destroy(None)
     async with cloud.client() as api:
         assert await listed_instances(api) == []
@@ -146,8 +146,7 @@ async def test_drain_waits_for_the_call_in_flight_read_from_metrics(cloud, tmp_p
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         try:
-            headers = {"Authorization": f"Bearer {host.api_key}"}
-            async with httpx.AsyncClient(base_url=host.api_url, timeout=120, headers=headers) as client:
+            async with fleet.server(host).client(timeout=120) as client:
                 assert (await client.get("/slots")).status_code >= 400
                 finished: list[float] = []
 

@@ -1,0 +1,56 @@
+"""A host's TLS certificate: its key made on the host, the request read over the pinned SSH session, the
+certificate signed here by fleet's CA for the address the marketplace gives, and put back on the host."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+
+import asyncssh
+
+from fleet.core import tls
+from fleet.engines import RUN_DIR
+from fleet.host.phase import PhaseFailed
+from fleet.host.remote import RemoteError, run
+
+# A host whose contract fleet does not know gets a certificate for this long; a host that lives longer
+# fails its health check on the day and is replaced.
+UNBOUNDED_HOST_DAYS = 30
+
+
+def https_url(address: str, port: int) -> str:
+    """The URL of a host's server; the address must be an IP (the certificate names it, not a name)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        raise PhaseFailed("start", f"the marketplace gave {address[:60]!r}, not an IP address") from None
+    return f"https://[{ip}]:{port}" if ip.version == 6 else f"https://{ip}:{port}"
+
+
+def lifetime_end(contract_end: dt.datetime | None, now: dt.datetime | None = None) -> dt.datetime:
+    """When a host's certificate ends: with its contract, and never more than UNBOUNDED_HOST_DAYS away."""
+    now = now or dt.datetime.now(dt.UTC)
+    longest = now + dt.timedelta(days=UNBOUNDED_HOST_DAYS)
+    if contract_end is None:
+        return longest
+    if contract_end.tzinfo is None:
+        contract_end = contract_end.replace(tzinfo=dt.UTC)
+    return min(contract_end, longest)
+
+
+async def install(
+    conn: asyncssh.SSHClientConnection,
+    ca: tls.CertificateAuthority,
+    address: str,
+    name: str,
+    not_after: dt.datetime,
+) -> None:
+    """The host makes its key (or keeps the one it has) and asks; fleet signs for `address`; the host
+    installs the certificate. PhaseFailed blames the machine: a healthy host does not fail this."""
+    try:
+        request = await run(conn, ["fleet-tls", "request", RUN_DIR], timeout_s=60)
+        pem = str(request.stdout or "").encode()
+        certificate = tls.sign_host(ca, pem, address, name, not_after)
+        await run(conn, ["fleet-tls", "install", RUN_DIR], stdin=certificate.decode(), timeout_s=60)
+    except (RemoteError, tls.CertificateRequestRefused) as e:
+        raise PhaseFailed("start", f"TLS: {e}") from None
