@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from fleet.core.apikeys import ensure_secret, host_api_key
 from fleet.core.config import ConfigError, Settings
 from fleet.core.keys import SshKey, ensure_key
 from fleet.core.models import LABEL_PREFIX, Host
@@ -130,6 +131,7 @@ class Context:
         self._watch: InstanceWatch | None = None
         self._ca: CertificateAuthority | None = None
         self._tls: ssl.SSLContext | None = None
+        self._key_secret: bytes | None = None
 
     @property
     def market(self) -> VastMarket:
@@ -188,9 +190,17 @@ class Context:
             self._tls = client_context(self.ca.certificate_path)
         return self._tls
 
+    def api_key(self, host: Host) -> str | None:
+        """The host's llama-server key, derived from the secret beside fleet's SSH key and the host's nonce."""
+        if host.api_key_nonce is None:
+            return host.api_key  # started before keys were derived
+        if self._key_secret is None:
+            self._key_secret = ensure_secret(key_secret_path(self.settings))
+        return host_api_key(self._key_secret, host.name, host.api_key_nonce)
+
     def server(self, host: Host) -> Server:
         """How to reach a host's llama-server: its URL, its key, its certificate checked against fleet's CA."""
-        return Server(host.api_url or "", host.api_key, self.tls)
+        return Server(host.api_url or "", self.api_key(host), self.tls)
 
     async def close(self) -> None:
         self.leases.close()
@@ -235,6 +245,10 @@ def ssh_key_path(settings: Settings) -> Path:
 
 def tls_dir(settings: Settings) -> Path:
     return settings.database.file.parent / "tls"
+
+
+def key_secret_path(settings: Settings) -> Path:
+    return settings.database.file.parent / "secret" / "host-api-keys"
 
 
 @asynccontextmanager

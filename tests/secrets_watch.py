@@ -2,10 +2,12 @@
 Face token in any log, any command's captured output, the command line of any process, or a database where
 it does not belong; databases and key files private to their owner.
 
-While the session runs, a thread reads every process's command line twice a second and every `fleet` command
+While the session runs, a thread reads every process's command line (and a local cloud host's environment)
+twice a second and every `fleet` command
 run through subprocess.run has its output kept. At the end the secrets are gathered from where the session
-made them (each local cloud's api_key file, every fleet database's llama-server keys, every private key file,
-the tokens tests register) and looked for everywhere.
+made them (each local cloud's api_key file, every llama-server key derived from a fleet database's nonces and
+the secret beside it, every private key file: SSH, CA, hosts' TLS keys, the tokens tests register) and looked
+for everywhere. A fleet database must hold no llama-server key: only the endpoints file carries them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleet.core.apikeys import host_api_key
+
 MAX_SCAN_BYTES = 64 * 1024 * 1024
-KEY_FILES = ("api_key", "vast_api_key", "id_ed25519", "id_ed25519.pub")  # where a secret lives, by design
+# where a secret lives, by design: the marketplace's keys, fleet's SSH key, the secret the hosts' keys derive
+# from, fleet's CA key, a host's TLS key (on the host alone)
+KEY_FILES = ("api_key", "vast_api_key", "id_ed25519", "id_ed25519.pub", "host-api-keys", "ca.key", "tls.key")
+PEM_KEYS = ("id_ed25519", "ca.key", "tls.key")
+HOST_MARK = b"FLEET_HOST_KEY_DIR="  # in the environment of every process of a local cloud's host
 
 
 class SecretsWatch:
@@ -27,6 +35,7 @@ class SecretsWatch:
         self.basetemp = basetemp
         self.registered: set[str] = set()
         self.command_lines: set[bytes] = set()
+        self.host_environs: set[bytes] = set()  # the environment of every process a local cloud's host ran
         self.outputs: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_processes, daemon=True, name="secrets-watch")
@@ -55,8 +64,11 @@ class SecretsWatch:
                 if entry.name.isdigit():
                     try:
                         self.command_lines.add((entry / "cmdline").read_bytes())
+                        environ = (entry / "environ").read_bytes()
                     except OSError:
                         continue
+                    if HOST_MARK in environ:
+                        self.host_environs.add(environ)
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -69,13 +81,19 @@ class SecretsWatch:
         vast = {p.read_text().strip() for p in self.basetemp.rglob("api_key") if p.is_file()}
         llama: set[str] = set()
         for database in self.basetemp.rglob("fleet.db"):
+            secret_file = database.parent / "secret" / "host-api-keys"
+            secret = secret_file.read_bytes() if secret_file.is_file() else None
             try:
                 with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
-                    llama |= {k for (k,) in db.execute("SELECT api_key FROM hosts WHERE api_key IS NOT NULL")}
+                    for name, nonce, clear in db.execute("SELECT name, api_key_nonce, api_key FROM hosts"):
+                        if clear:
+                            llama.add(clear)
+                        if nonce and secret:
+                            llama.add(host_api_key(secret, name, nonce))
             except sqlite3.Error:
                 continue
         private = set()
-        for key in self.basetemp.rglob("id_ed25519"):
+        for key in (p for name in PEM_KEYS for p in self.basetemp.rglob(name) if p.is_file()):
             body = [ln for ln in key.read_text().splitlines() if ln and not ln.startswith("-----")]
             private |= {ln for ln in body[1:] if len(ln) >= 40}  # the first line is the same in every key
         return {"vast.ai API key": vast, "llama-server key": llama, "private key": private, "token": self.registered}
@@ -83,7 +101,7 @@ class SecretsWatch:
     def findings(self) -> list[str]:
         kinds = self.secrets()
         everything = {(kind, s) for kind, values in kinds.items() for s in values if len(s) >= 16}
-        not_in_databases = {(k, s) for k, s in everything if k != "llama-server key"}
+        not_in_endpoints = {(k, s) for k, s in everything if k != "llama-server key"}
         found: list[str] = []
         for path in self.basetemp.rglob("*"):
             if not path.is_file() or path.is_symlink() or path.stat().st_size > MAX_SCAN_BYTES:
@@ -92,15 +110,17 @@ class SecretsWatch:
             if name in KEY_FILES or name.startswith("api-key"):
                 continue  # where a secret lives, by design (modes checked below)
             data = path.read_bytes()
-            is_database = name.startswith("fleet.db") or name.endswith((".db", ".db-wal", ".db-shm"))
-            allowed_llama = is_database or name == "endpoints.json"
-            for kind, secret in not_in_databases if allowed_llama else everything:
+            for kind, secret in not_in_endpoints if name == "endpoints.json" else everything:
                 if secret.encode() in data:
                     found.append(f"{kind} in {path}")
         for line in self.command_lines:
             for kind, secret in everything:
                 if secret.encode() in line:
                     found.append(f"{kind} on a command line: {line[:80]!r}")
+        for environ in self.host_environs:
+            for kind, secret in everything:
+                if kind != "llama-server key" and secret.encode() in environ:
+                    found.append(f"{kind} in a host's environment")
         for output in self.outputs:
             for kind, secret in everything:
                 if kind != "llama-server key" and secret in output:
@@ -109,6 +129,7 @@ class SecretsWatch:
             *self.basetemp.rglob("fleet.db"),
             *self.basetemp.rglob("id_ed25519"),
             *self.basetemp.rglob("api_key"),
+            *(p for name in ("host-api-keys", *PEM_KEYS) for p in self.basetemp.rglob(name)),
         ]:
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:

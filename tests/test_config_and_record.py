@@ -1,6 +1,7 @@
 """Config validation, the llama-server argv a profile makes, and the schema the migrations build."""
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,18 @@ def test_profile_may_not_set_what_fleet_sets(tmp_path):
         config.load(tmp_path / "fleet.toml")
 
 
+def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
+    text = (ROOT / "fleet.toml").read_text().replace('url = "local"', 'url = "https://market.example"')
+    digest = "@sha256:" + "0123456789abcdef" * 4
+    image = re.search(r'^image = "([^"]+)"$', text, re.M)
+    assert image
+    (tmp_path / "tag.toml").write_text(text)
+    with pytest.raises(config.ConfigError, match="pin it by digest"):
+        config.load(tmp_path / "tag.toml")
+    (tmp_path / "digest.toml").write_text(text.replace(image.group(0), f'image = "{image.group(1)}{digest}"'))
+    assert config.load(tmp_path / "digest.toml").provider.image == image.group(1) + digest
+
+
 def test_migrations_build_exactly_the_models_schema(tmp_path):
     engine = db.open_database(tmp_path / "fleet.db")
     with engine.connect() as connection:
@@ -134,6 +147,16 @@ def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
                 " 'fleet:h1', 7, 8, 'RTX 3090', 1, 24576, 'Sweden, SE', 0.2, 0, 0, 0.2, 1, '2026-11-29 10:00:00')"
             )
         )
+        for id_, state in ((1, "ready"), (2, "destroyed")):
+            conn.execute(
+                text(
+                    "INSERT INTO hosts (id, name, run_id, model, region, state, provider_url, label, offer_id,"
+                    " machine_id, gpu_name, num_gpus, gpu_ram_mb, geolocation, dph_total, inet_up_usd_per_gb,"
+                    " inet_down_usd_per_gb, effective_usd_per_hour, slots, created_at, api_key) VALUES"
+                    f" ({id_ + 1}, 'k{id_}', 'r', 'tiny', 'eu', '{state}', 'local', 'fleet:k{id_}', 7, 8, 'RTX 3090',"
+                    f" 1, 24576, 'Sweden, SE', 0.2, 0, 0, 0.2, 1, '2026-11-29 10:00:00', 'clear-key-{id_}')"
+                )
+            )
         conn.execute(
             text(
                 "INSERT INTO attempts (run_id, host_id, model, offer_id, machine_id, dph_total,"
@@ -150,11 +173,14 @@ def test_migrations_upgrade_a_database_that_holds_records(tmp_path):
     with engine.connect() as conn:
         head = max(p.name[:4] for p in (ROOT / "migrations" / "versions").glob("0*.py"))
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == head
-        assert conn.execute(text("SELECT name, health_failures FROM hosts")).all() == [("h1", 0)]
+        assert conn.execute(text("SELECT name, health_failures FROM hosts WHERE id = 1")).all() == [("h1", 0)]
+        # a closed host's key in clear is erased; a live one keeps it until it is replaced (nothing derives it)
+        keys = conn.execute(text("SELECT name, api_key FROM hosts WHERE id > 1 ORDER BY id")).all()
+        assert keys == [("k1", "clear-key-1"), ("k2", None)]
         assert conn.execute(text("SELECT count(*) FROM attempts WHERE host_id = 1")).scalar() == 1
         assert conn.execute(text("SELECT count(*) FROM events WHERE host_id = 1")).scalar() == 1
         assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
-    assert db.Record(engine).hosts()[0].name == "h1"
+    assert [h.name for h in db.Record(engine).hosts()] == ["h1", "k1", "k2"]
 
 
 def test_opening_the_database_again_keeps_the_locks_this_process_holds_on_it(tmp_path):

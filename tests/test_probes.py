@@ -160,7 +160,7 @@ async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
             body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
             request = (
                 f"POST /v1/chat/completions HTTP/1.1\r\nHost: {hostname}\r\nConnection: keep-alive\r\n"
-                f"Authorization: Bearer {host.api_key}\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {fleet.api_key(host)}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n{body}"
             ).encode()
             with (

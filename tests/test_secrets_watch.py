@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleet.core.apikeys import host_api_key
 from tests.secrets_watch import SecretsWatch
 
 
@@ -25,16 +26,24 @@ def planted_and_found(tmp_path: Path) -> None:
     (cloud / "api_key").chmod(0o600)
     database = tmp_path / "run" / "fleet.db"
     database.parent.mkdir()
+    secret = tmp_path / "run" / "secret" / "host-api-keys"
+    secret.parent.mkdir()
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    derived = host_api_key(b"s" * 32, "h1", "n" * 32)
     with sqlite3.connect(database) as db:
-        db.execute("CREATE TABLE hosts (api_key TEXT)")
-        db.execute("INSERT INTO hosts VALUES (?)", ("k" * 43,))
+        db.execute("CREATE TABLE hosts (name TEXT, api_key_nonce TEXT, api_key TEXT)")
+        db.execute("INSERT INTO hosts VALUES (?, ?, ?)", ("h1", "n" * 32, None))
+        db.execute("INSERT INTO hosts VALUES (?, ?, ?)", ("h0", None, "k" * 43))  # a key in clear
     database.chmod(0o644)  # readable by others: must be found
     (tmp_path / "run" / "server.log").write_text(f"started with {vast_key}\n")
 
     watch = SecretsWatch(tmp_path)
     watch.start()
     try:
-        with subprocess.Popen(["sh", "-c", "sleep 1.5", "k" * 43]):
+        watch.register("t" * 37)
+        host_env = {"PATH": "/usr/bin:/bin", "FLEET_HOST_KEY_DIR": "/x", "HF_TOKEN": "t" * 37}
+        with subprocess.Popen(["sh", "-c", "sleep 1.5", derived]), subprocess.Popen(["sleep", "1.5"], env=host_env):
             time.sleep(1.2)  # the watch reads command lines twice a second
         subprocess.run([sys.executable, "-c", f"print('{vast_key}')", "fleet.cli"], capture_output=True, text=True)
     finally:
@@ -42,6 +51,7 @@ def planted_and_found(tmp_path: Path) -> None:
     found = "\n".join(watch.findings())
     assert f"vast.ai API key in {tmp_path / 'run' / 'server.log'}" in found
     assert "llama-server key on a command line" in found
+    assert "token in a host's environment" in found
     assert "vast.ai API key in a command's output" in found
     assert f"{database} is readable by others" in found
-    assert f"in {database}" not in found  # a llama-server key belongs in the (private) database
+    assert f"llama-server key in {database}" in found  # a database holds nonces, never a key

@@ -3,8 +3,10 @@ of the operator's SSH setup and no Hugging Face token reaches a host, a host's w
 operator's terminal, and what a host serves hands no transcript to anyone."""
 
 import asyncio
+import contextlib
 import datetime as dt
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -21,9 +23,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from fleet.context import key_secret_path
+from fleet.control import rotation, sizing
 from fleet.control.up import UpRequest
 from fleet.core import tls
+from fleet.core.apikeys import host_api_key
+from fleet.core.config import Serve, verified_database_url
 from fleet.core.errors import FleetError
+from fleet.core.files import write_private
 from fleet.host import addresses, hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import connect, run
@@ -32,7 +39,8 @@ from fleet.localcloud.hub import TINY_REPO
 from fleet.localcloud.llamaproc import llama_server as run_llama_server
 from fleet.probes.server import Server
 from fleet.probes.stream import Connection, StreamError
-from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for
+from tests import dripper
+from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for, with_variant
 from tests.helpers import listed_instances
 
 
@@ -96,11 +104,20 @@ def test_a_hosts_log_with_markup_and_escape_codes_is_shown_as_text(cloud, tmp_pa
 
 
 async def test_no_transcript_is_readable_through_a_host_and_the_drain_sees_calls_in_flight(cloud, tmp_path):
-    async with fleet_for(settings_for(tmp_path)) as fleet:
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
         [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
         try:
-            key = {"Authorization": f"Bearer {host.api_key}"}
+            key = {"Authorization": f"Bearer {fleet.api_key(host)}"}
+            # the database alone opens no host: its key is derived from a secret kept apart, private
+            database = b"".join(p.read_bytes() for p in settings.database.file.parent.glob("fleet.db*"))
+            assert host.api_key_nonce and host.api_key_nonce.encode() in database
+            assert fleet.api_key(host).encode() not in database
+            secret = key_secret_path(settings)
+            assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.read_bytes() not in database
+            guessed = host_api_key(os.urandom(32), host.name, host.api_key_nonce)  # the nonce, another secret
             async with fleet.server(host).without_key().client(timeout=30) as client:
+                assert (await client.get("/metrics", headers={"Authorization": f"Bearer {guessed}"})).status_code == 401
                 for path in ("/slots", "/slots/0"):
                     assert (await client.get(path, headers=key)).status_code >= 400  # not even with the key
                 assert (await client.get("/metrics")).status_code == 401  # without the key, nothing
@@ -213,8 +230,9 @@ def _host_cert(ca, address: str, directory: Path) -> tuple[Path, Path]:
     pem = tls.sign_host(ca, request.public_bytes(serialization.Encoding.PEM), address, "h", _in(days=1))
     directory.mkdir(parents=True, exist_ok=True)
     key_path, cert_path = directory / "tls.key", directory / "tls.pem"
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    write_private(
+        key_path,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
     )
     cert_path.write_bytes(pem)
     return key_path, cert_path
@@ -399,3 +417,159 @@ def test_an_address_fleet_would_connect_to_must_be_global():
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False) is not None  # no name where an IP belongs
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False, names_ok=True) is None  # the SSH gateway
     assert addresses.refusal("ssh5.vast.ai;reboot", loopback_ok=False, names_ok=True) is not None
+
+
+def test_a_database_off_this_machine_is_reached_only_with_its_certificate_verified(cloud, tmp_path):
+    env = cli_env(cloud, tmp_path)
+    password = "hunter2-" + os.urandom(8).hex()
+    remote = f"postgresql+psycopg://fleet:{password}@db.example.com:5432/fleet"
+    for url in (remote, remote + "?sslmode=require", "postgresql+psycopg://fleet@/fleet?host=10.0.0.5&sslmode=prefer"):
+        for args in (("status",), ("status", "--json")):
+            result = subprocess.run(
+                [sys.executable, "-m", "fleet.cli", *args],
+                env={**env, "FLEET_DATABASE_URL": url},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            said = result.stdout if "--json" in args else result.stderr
+            assert result.returncode == 2 and "sslmode=verify-full" in said, result.stderr
+            assert password not in result.stdout + result.stderr  # the URL is never echoed
+            if "--json" in args:
+                assert "sslmode=verify-full" in json.loads(result.stdout)["error"]
+            else:
+                assert len(result.stderr.strip().splitlines()) == 1
+    config = Path(env["FLEET_CONFIG"])
+    config.write_text(config.read_text().replace("[database]\n", f'[database]\nurl = "{remote}"\n', 1))
+    in_file = subprocess.run(
+        [sys.executable, "-m", "fleet.cli", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert in_file.returncode == 2 and "database.url" in in_file.stderr and password not in in_file.stderr
+    # on this machine (a socket or loopback) no TLS is needed; off it, verify-full is what passes
+    for fine in (
+        "postgresql+psycopg://fleet@/fleet",
+        "postgresql+psycopg://fleet@/fleet?host=/run/postgresql",
+        "postgresql+psycopg://fleet@127.0.0.1:5432/fleet",
+        "postgresql+psycopg://fleet@localhost/fleet",
+        remote + "?sslmode=verify-full&sslrootcert=/etc/fleet/db-ca.pem",
+    ):
+        assert verified_database_url(fine) == fine
+
+
+def _serving_process(host_dir: Path) -> tuple[int, str, int]:
+    """The host's llama-server: its PID and the address and port it listens on (inside the host)."""
+    pid = int(next(host_dir.rglob("llama-server.pid")).read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return pid, argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+
+
+async def test_a_host_that_drips_or_floods_its_answers_holds_up_no_health_sweep(cloud, tmp_path):
+    """The host's root swaps llama-server for a server with the host's own certificate that answers /health
+    one byte (one TLS record) every half second, then one that floods it: each sweep ends with that host
+    unhealthy: the drip cut off partway, the flood read up to fleet's cap and no further."""
+    async with fleet_for(settings_for(tmp_path, rotation={"unhealthy_after_sweeps": 3})) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            host_dir = cloud.info.state_dir / "hosts" / str(host.instance_id)
+            pid, address, port = _serving_process(host_dir)
+            os.kill(pid, signal.SIGKILL)
+            key, cert = next(host_dir.rglob("tls.key")), next(host_dir.rglob("tls.pem"))
+            for mode, said in (("drip", "no whole answer within"), ("flood", "ReplyTooLarge")):
+                count = tmp_path / f"{mode}.count"
+                argv = [sys.executable, "-m", "tests.dripper", mode, address, str(port), str(key), str(cert)]
+                with subprocess.Popen([*argv, str(count)], stdout=subprocess.PIPE, text=True) as liar:
+                    try:
+                        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+                        [report] = await rotation.health_sweep(fleet)
+                        assert not report.healthy and said in report.reason, report
+                        if mode == "drip":  # the sweep gave up with the answer partly sent
+                            assert 0 < int(count.read_text()) < len(dripper.DRIP_ANSWER)
+                    finally:
+                        liar.kill()
+        finally:
+            await fleet.destroy(None)
+
+
+async def test_a_host_whose_props_lie_is_held_to_its_slots_and_drains_no_honest_host(cloud, tmp_path):
+    """The host's root restarts llama-server with four slots where fleet started one: /props says 4 and the
+    host may even hold them. fleet benches it at the one slot it started, and sizing, which would have
+    counted it at 4 and drained the honest host as surplus, keeps both."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        honest, liar = (await fleet.up(UpRequest("tiny", "eu", count=2))).ready
+        lying: subprocess.Popen | None = None
+        try:
+            host_dir = cloud.info.state_dir / "hosts" / str(liar.instance_id)
+            pid, _, _ = _serving_process(host_dir)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+            environ = dict(
+                kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv
+            )
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            os.kill(pid, signal.SIGKILL)
+            argv[argv.index("-np") + 1], argv[argv.index("-c") + 1] = "4", "8192"
+            lying = subprocess.Popen(argv, cwd=cwd, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            async with fleet.server(liar).client(timeout=10) as client:
+                for _ in range(600):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await client.get("/props")).json().get("total_slots") == 4:
+                            break
+                    await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("the lying server did not come up")
+            report = await fleet.bench(liar.name, max_callers=None, waves=1, warmup=0, max_tokens=8)
+            assert max(level.callers for level in report.levels) == liar.slots == 1  # only what fleet started
+            assert report.capacity.callers <= liar.slots
+            sized = sizing.observe(fleet, Serve(model="tiny", region="eu", calls=2, headroom=0))
+            assert sized.capacity == 2 and honest.name not in sized.drain and sized.drain == (), sized
+        finally:
+            if lying is not None:
+                lying.kill()
+                lying.wait()
+            await fleet.destroy(None)
+
+
+async def test_a_model_file_pinned_by_sha256_is_pulled_only_with_those_bytes(cloud, tmp_path):
+    """The hub's etag proves the transfer; fleet.toml's sha256 proves the origin. A hub that states other
+    bytes for the file fails the pull before a host downloads it, blaming no machine; the right pin serves."""
+    settings = settings_for(tmp_path)
+    [tiny_file] = settings.models["tiny"].files
+    url = f"{cloud.url}/{tiny_file.repo}/resolve/{tiny_file.revision}/{tiny_file.file}"
+    real = (await hubfile.resolve(url, "")).sha256
+    for name, sha in (("tiny-pinned", real), ("tiny-otherbytes", "0" * 64)):
+        settings = with_variant(settings, name, files=[tiny_file.model_copy(update={"sha256": sha})])
+    async with fleet_for(settings) as fleet:
+        try:
+            refused = await fleet.up(UpRequest("tiny-otherbytes", "eu"))
+            assert refused.ready == [] and len(refused.attempts) == 1, refused  # not tried on another machine
+            assert f"with sha256 {real}, not the {'0' * 64} fleet.toml pins" in " ".join(refused.failures)
+            assert fleet.record.blacklist() == []  # the hub's doing, not a machine's
+            [pinned] = (await fleet.up(UpRequest("tiny-pinned", "eu"))).ready
+            assert pinned.state == "ready"
+        finally:
+            await fleet.destroy(None)
+    async with cloud.client() as api:
+        assert await listed_instances(api) == []
+
+
+async def test_a_host_is_replaced_before_its_certificate_ends(cloud, tmp_path):
+    """A host with no known contract gets a certificate for 30 days; as its end nears (within
+    rotation.contract_margin_hours) the sweep replaces it make-before-break, blaming no machine."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [old] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            assert old.certificate_until is not None
+            signed = x509.load_pem_x509_certificate(next(cloud.info.state_dir.rglob("tls.pem")).read_bytes())
+            assert abs(signed.not_valid_after_utc - old.certificate_until.replace(tzinfo=dt.UTC)) < dt.timedelta(
+                seconds=1
+            )
+            fleet.record.update(old, certificate_until=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1))
+            [report] = await rotation.health_sweep(fleet)
+            assert report.healthy and "its certificate ends at" in report.reason and report.replaced_by, report
+            [new] = fleet.record.hosts(names=[report.replaced_by])
+            assert new.state == "ready" and new.certificate_until.replace(tzinfo=dt.UTC) > dt.datetime.now(
+                dt.UTC
+            ) + dt.timedelta(days=29)
+            [gone] = fleet.record.hosts(names=[old.name])
+            assert gone.state == "destroyed" and fleet.record.blacklist() == []
+        finally:
+            await fleet.destroy(None)

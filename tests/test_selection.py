@@ -19,21 +19,38 @@ def seen(machine: int, **kw) -> MachineRecord:
                             "geolocation": "Sweden, SE", "hosts": 1, "ready": 1, **kw})  # fmt: skip
 
 
+EIGHT = PROFILE.model_copy(update={"slots": 8})
+
+
 def test_measured_capacity_outranks_a_lower_price():
     cheap, dear = offer(1, dph_total=0.20), offer(2, dph_total=0.30)
     records = {("local", 101): seen(101, capacity=2), ("local", 102): seen(102, capacity=6)}
-    [(first, why_first), (second, why_second)] = rank([cheap, dear], PROFILE, records, "local")
+    [(first, why_first), (second, why_second)] = rank([cheap, dear], EIGHT, records, "local")
     assert (first.id, second.id) == (2, 1)  # 6 callers at $0.30 beat 2 callers at $0.20
     assert why_first.why() == "6 callers (measured on this machine)"
     assert why_first.usd_per_voice_minute < why_second.usd_per_voice_minute
 
 
 def test_unseen_machines_take_their_gpu_models_measure_or_the_profiles_slots():
-    records = {("local", 500): seen(500, capacity=5), ("local", 501): seen(501, capacity=3, gpu_name="RTX 4090")}
-    same_gpu = expect(offer(1), PROFILE, records, "local")
-    assert (same_gpu.callers, same_gpu.source) == (5, "measured on 1 RTX 3090 machine(s)")
-    other = expect(offer(2, gpu_name="A100"), PROFILE, records, "local")
-    assert (other.callers, other.source) == (PROFILE.slots, "prior: the profile's slots")
+    records = {("local", 500 + i): seen(500 + i, capacity=c) for i, c in enumerate((5, 4, 6))}
+    records[("local", 510)] = seen(510, capacity=3, gpu_name="RTX 4090")
+    same_gpu = expect(offer(1), EIGHT, records, "local")
+    assert (same_gpu.callers, same_gpu.source) == (5, "measured on 3 RTX 3090 machine(s)")
+    other = expect(offer(2, gpu_name="A100"), EIGHT, records, "local")
+    assert (other.callers, other.source) == (EIGHT.slots, "prior: the profile's slots")
+
+
+def test_one_machines_claims_set_neither_its_gpus_median_nor_more_than_the_slots():
+    """A host that lies about its capacity (a /props with more slots, timings it made up): what it claims
+    counts up to the slots fleet starts a host with, and no GPU's median rests on fewer than three machines."""
+    liar = {("local", 600): seen(600, capacity=64)}
+    assert expect(offer(1, machine_id=600), EIGHT, liar, "local").callers == EIGHT.slots
+    unseen = expect(offer(2), EIGHT, liar, "local")
+    assert (unseen.callers, unseen.source) == (EIGHT.slots, "prior: the profile's slots")
+    two = {**liar, ("local", 601): seen(601, capacity=2)}
+    assert expect(offer(3), EIGHT, two, "local").source == "prior: the profile's slots"
+    three = {**two, ("local", 602): seen(602, capacity=3)}
+    assert expect(offer(4), EIGHT, three, "local").callers == 3  # the median of 8 (capped), 2 and 3
 
 
 def test_failures_hot_cards_and_slow_bring_ups_count_against_a_machine():
@@ -65,7 +82,7 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
     async with cloud.client() as api:
         for o in (a, b):
             (await api.put(f"/admin/offers/{o.id}", json={**same_price})).raise_for_status()
-    tiny = settings.models["tiny"].model_copy(update={"args": four_slots})
+    tiny = settings.models["tiny"].model_copy(update={"args": four_slots, "slots": 4})
     settings = settings.model_copy(update={"models": {**settings.models, "tiny": tiny}})
     async with fleet_for(settings) as fleet:
         pair = [o for o in (await fleet.offers("tiny", "eu")).passed if o.id in (a.id, b.id)]
@@ -76,9 +93,13 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             before = [o.machine_id for o, _ in fleet.rank(tiny, pair)]
             slowed, other = hosts[before[0]], hosts[before[1]]  # slow the one that ranks first
             sag_soon(cloud, slowed.instance_id, delay_s=0.0, ramp_s=0.1, share=0.8)
-            # the target: a third of the one-caller decode rate the healthy host shows (the slowed one keeps a fifth)
-            probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=64)
-            rate = probe.levels[0].decode_per_caller_tok_s
+            # the target: a third of the one-caller decode rate the healthy host shows (the slowed one keeps a
+            # fifth); its best of three, as a busy machine only ever lowers a rate
+            rates = []
+            for _ in range(3):
+                probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=64)
+                rates.append(probe.levels[0].decode_per_caller_tok_s)
+            rate = max(rates)
             target = VoiceTarget(first_content_p95_ms=5000, decode_tok_s=rate / 3)
             fleet.settings = fleet.settings.model_copy(
                 update={"models": {**fleet.settings.models, "tiny": tiny.model_copy(update={"voice": target})}}

@@ -29,7 +29,7 @@ async def test_happy_path_ready_host_answers_with_its_key_only(cloud, tmp_path):
         result = await fleet.up(UpRequest("tiny", "eu"))
         assert [h.state for h in result.ready] == [HostState.READY]
         host = result.ready[0]
-        assert host.host_key and host.api_key and host.api_url
+        assert host.host_key and host.api_key_nonce and host.api_key is None and host.api_url
         assert host.geolocation[-2:] in settings.regions["eu"]
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         assert host.api_url.startswith("https://")

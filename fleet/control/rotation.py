@@ -28,8 +28,10 @@ from fleet.host.endpoints import publish_endpoints
 from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
 from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance
+from fleet.probes.server import bounded
 
 HOURS_PER_MONTH = 730
+HEALTH_REPLY_BYTES = 64 * 1024  # /health and a two-token completion are a few hundred bytes
 
 
 @dataclass
@@ -74,18 +76,26 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
         # a restarted instance's old port may be another renter's now: nothing more goes to this host
         where = f"{listed[0]}:{listed[1]}" if listed else "no address"
         return False, True, f"the marketplace now lists its server at {where[:80]}, not {recorded.netloc}"
+    # The whole check within health_timeout_s and every answer bounded: a host that drips its answers one
+    # byte a second (each read "in time") holds up neither the sweep nor the daemon; it is unhealthy.
     timeout = ctx.settings.rotation.health_timeout_s
     try:
-        async with ctx.server(host).client(timeout=timeout) as client:
-            health = await client.get("/health")
+        async with asyncio.timeout(timeout), ctx.server(host).client(timeout=timeout) as client:
+            health = await bounded(client, "GET", "/health", deadline_s=timeout, max_bytes=HEALTH_REPLY_BYTES)
             if health.status_code != 200:
                 return False, False, f"/health answered {health.status_code}"
-            reply = await client.post(
+            reply = await bounded(
+                client,
+                "POST",
                 "/v1/chat/completions",
+                deadline_s=timeout,
+                max_bytes=HEALTH_REPLY_BYTES,
                 json={"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2},
             )
             if reply.status_code != 200:
                 return False, False, f"completion answered {reply.status_code}"
+    except TimeoutError:
+        return False, False, f"no whole answer within {timeout:g}s (rotation.health_timeout_s)"
     except httpx.HTTPError as e:
         return False, False, f"{type(e).__name__}: {e}"
     if instance.status in HEARTBEAT_LOST:
@@ -123,6 +133,11 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
         elif host.contract_end_at is not None and as_utc(host.contract_end_at) <= ending:
             # vast.ai stops the instance when its contract ends and never starts it again: move first
             report.reason = f"its contract ends at {as_utc(host.contract_end_at):%Y-%m-%d %H:%M} UTC"
+            report.blame = False
+            doomed.append((host, report))
+        elif host.certificate_until is not None and as_utc(host.certificate_until) <= ending:
+            # no client of fleet's would trust it after that: move while it still serves
+            report.reason = f"its certificate ends at {as_utc(host.certificate_until):%Y-%m-%d %H:%M} UTC"
             report.blame = False
             doomed.append((host, report))
     limit = asyncio.Semaphore(ctx.settings.rotation.max_concurrent_replacements)

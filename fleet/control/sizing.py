@@ -91,7 +91,8 @@ def observe(ctx: Context, target: Serve) -> Sizing:
     hosts = ctx.record.hosts(model=target.model, region=target.region)
     ready = [h for h in hosts if h.state == HostState.READY]
     benches = ctx.record.latest_bench([h.id for h in ready if h.id is not None])
-    callers = [(h, benches[h.id].capacity if h.id in benches else h.slots) for h in ready]
+    # a host holds at most the slots fleet started it with, whatever a bench of it recorded
+    callers = [(h, min(benches[h.id].capacity, h.slots) if h.id in benches else h.slots) for h in ready]
     in_flight = sum(1 for h in hosts if h.state in COMING_UP)
     pool = sum(1 for h in hosts if h.state in POOL)
     return decide(target, callers, in_flight, pool, ctx.settings.profile(target.model).slots)

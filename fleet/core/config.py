@@ -8,6 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -48,6 +49,9 @@ class ConfigError(BadInput, ValueError):
     """A config problem: one line that names the file and the key."""
 
 
+IMAGE = re.compile(r"[a-z0-9][a-z0-9._/-]{0,254}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?")
+
+
 class Provider(Strict):
     url: str = LOCAL
     api_key_env: str = "VAST_API_KEY"
@@ -68,6 +72,18 @@ class Provider(Strict):
     @classmethod
     def _url(cls, v: str) -> str:
         return v if v == LOCAL else encrypted_url(v)
+
+    @model_validator(mode="after")
+    def _image_by_digest(self) -> Provider:
+        # A tag names whatever its registry says today: a host on vast.ai boots the image its digest names.
+        if not IMAGE.fullmatch(self.image):
+            raise ValueError(f"image: {self.image[:80]!r} is not an image reference (NAME[:TAG][@sha256:DIGEST])")
+        if not self.is_local and "@sha256:" not in self.image:
+            raise ValueError(
+                "image: pin it by digest off the local cloud (NAME:TAG@sha256:<64 hex>): a tag can be moved"
+                " to other contents"
+            )
+        return self
 
     @property
     def is_local(self) -> bool:
@@ -95,6 +111,24 @@ def encrypted_url(url: str) -> str:
     return url.rstrip("/")
 
 
+def verified_database_url(url: str) -> str:
+    """A PostgreSQL URL that reaches a server off this machine only with its certificate verified
+    (sslmode=verify-full): the record holds every host's address, bill and nonce. A Unix socket or loopback
+    needs none. The URL is never echoed: it may carry a password."""
+    parts = urlsplit(url)
+    if not parts.scheme.startswith("postgresql"):
+        raise ValueError("must be a postgresql:// URL (SQLite is set with path)")
+    query = parse_qs(parts.query)
+    hosts = [h for h in query.get("host", []) if h] or ([parts.hostname] if parts.hostname else [])
+    remote = [h for h in hosts if not (h.startswith("/") or h == "localhost" or _loopback(h))]
+    if remote and query.get("sslmode") != ["verify-full"]:
+        raise ValueError(
+            f"PostgreSQL at {remote[0][:100]} is off this machine: add sslmode=verify-full to the URL "
+            "(with sslrootcert= for a private CA), so that the server's certificate is checked"
+        )
+    return url
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -111,9 +145,7 @@ class Database(Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("postgresql"):
-            raise ValueError("must be a postgresql:// URL (SQLite is set with path)")
-        return v
+        return verified_database_url(v) if v is not None else None
 
     @property
     def file(self) -> Path:
@@ -122,7 +154,12 @@ class Database(Strict):
     @property
     def target(self) -> Path | str:
         """The PostgreSQL URL when one is set, else the SQLite file."""
-        return os.environ.get("FLEET_DATABASE_URL") or self.url or self.file
+        if env := os.environ.get("FLEET_DATABASE_URL"):
+            try:
+                return verified_database_url(env)
+            except ValueError as e:
+                raise ConfigError(f"FLEET_DATABASE_URL: {e}") from None
+        return self.url or self.file
 
 
 class Filters(Strict):
@@ -203,7 +240,8 @@ class Rotation(Strict):
     thermal_every_s: Annotated[float, Field(ge=0)] = 21600  # thermal re-probes of READY hosts (0: never)
     reprice_cron: str = "0 3 * * *"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
-    # a host whose machine's contract ends within this many hours is replaced (vast.ai stops it at the end)
+    # a host whose machine's contract (vast.ai stops it at the end) or whose certificate ends within this many
+    # hours is replaced, make-before-break
     contract_margin_hours: Annotated[float, Field(ge=0)] = 6
     # the daemon warns when the account's credit lasts fewer hours than this at the current spend
     credit_warn_hours: Annotated[float, Field(ge=0)] = 48

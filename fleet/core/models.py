@@ -109,7 +109,10 @@ class Host(SQLModel, table=True):
     ssh_port: int | None = None
     host_key: str | None = None  # the SSH host key pinned at first connect
     api_url: str | None = None
-    api_key: str | None = None  # llama-server's key; the database file is private (0600)
+    # llama-server's key is derived from a secret outside the database and this nonce (fleet/core/apikeys.py);
+    # api_key is a key in clear, kept only by a host started before the nonce existed, until it is replaced
+    api_key_nonce: str | None = None
+    api_key: str | None = None
     slots: int = 1
     created_at: datetime = Field(default_factory=utcnow)
     running_at: datetime | None = None
@@ -131,6 +134,8 @@ class Host(SQLModel, table=True):
     # vast.ai stops an instance when its rental contract ends (the offer's end_date at rental) and never
     # starts it again: a host is replaced before then.
     contract_end_at: datetime | None = None
+    # when the certificate fleet signed for its server ends: the host is replaced before then, as for a contract
+    certificate_until: datetime | None = None
     inet_down_mbps: float = 0.0  # the link speed its offer advertised: the pull's deadline scales with it
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None

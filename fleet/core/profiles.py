@@ -32,6 +32,9 @@ class ModelFile(Strict):
     repo: Annotated[str, Field(pattern=rf"^{PATH_PART}/{PATH_PART}$")]
     file: Annotated[str, Field(pattern=rf"^{PATH_PART}$")]
     revision: Annotated[str, Field(pattern=rf"^{PATH_PART}(?:/{PATH_PART})*$")] = "main"
+    # The file's sha256 as you checked it: the hub's own (its etag) proves the transfer, not the origin. With
+    # it, a hub that serves other bytes under this name fails the pull (pin `revision` to a commit too).
+    sha256: Annotated[str | None, Field(pattern=r"^[0-9a-f]{64}$")] = None
 
 
 class ProfileProbes(Strict):

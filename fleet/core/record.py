@@ -256,6 +256,7 @@ class Record:
             "accrued_usd": accrued_usd,
             "owner": None,
             "lease_until": None,
+            "api_key": None,  # a key in clear, from before keys were derived, outlives no host
             **changes,
         }
         applied = self._cas(host, values, col(Host.destroyed_at).is_(None))

@@ -4,8 +4,10 @@ A voice deployment buys concurrent calls that answer in time, so an offer is wor
 (traffic included) over the callers a host there is expected to hold, discounted by how often a
 bring-up there reaches READY and by the hours it bills before it serves. What fleet remembers of the
 machine (fleet/economics/machines.py) gives those numbers where it has seen the machine; otherwise the median of
-the machines with that GPU model it has measured; otherwise a stated prior, the profile's slots (what
-the profile was sized for). Pure: `expect` and `rank` take the offers, the profile and the records.
+the machines with that GPU model it has measured, when there are MEDIAN_MACHINES of them; otherwise a stated
+prior, the profile's slots (what the profile was sized for). No machine is believed to hold more callers than
+the profile's slots: a host that claims more is lying. Pure: `expect` and `rank` take the offers, the
+profile and the records.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from fleet.core.config import Profile
 from fleet.economics.machines import MachineRecord
 from fleet.economics.offers import HOST_LIFETIME_H, expected_price_per_hour
 from fleet.market import Offer
+
+MEDIAN_MACHINES = 3  # a GPU model's measured capacity is believed from this many distinct machines, not fewer
 
 
 @dataclass(frozen=True)
@@ -55,18 +59,20 @@ def expect(
     """What a host on this offer is expected to give, from what fleet measured; `pull_gb` is what a
     bring-up there downloads, at the offer's $/GB."""
     record = seen.get((provider, offer.machine_id))
+    # What a machine measured is believed up to the profile's slots (a host holds no more callers than the
+    # slots it is started with); a GPU's median only from several machines, so no one host sets it.
     same_gpu = [
-        m.capacity * min(m.thermal_share or 1.0, 1.0)
+        min(m.capacity, profile.slots) * min(m.thermal_share or 1.0, 1.0)
         for m in seen.values()
         if m.gpu_name == offer.gpu_name and m.capacity is not None
     ]
     if record is not None and record.capacity is not None:
-        callers = record.capacity * min(record.thermal_share or 1.0, 1.0)
+        callers = min(record.capacity, profile.slots) * min(record.thermal_share or 1.0, 1.0)
         source = "measured on this machine"
     elif record is not None and record.thermal_share is not None and record.thermal_share < 1.0:
         callers = profile.slots * record.thermal_share  # it ran hot here: the prior, cut by what it kept
         source = f"the profile's slots at this machine's thermal share {record.thermal_share:.2f}"
-    elif same_gpu:
+    elif len(same_gpu) >= MEDIAN_MACHINES:
         callers = statistics.median(same_gpu)
         source = f"measured on {len(same_gpu)} {offer.gpu_name} machine(s)"
     else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import httpx
 
 from fleet.context import Context
 from fleet.core import failpoints
+from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.keys import new_host_key
 from fleet.core.models import Host, HostState, utcnow
@@ -253,22 +253,22 @@ class BringUp:
         assert self.conn is not None and self.instance is not None
         service = self.instance.service_endpoint(SERVICE_PORT)
         assert service is not None
-        api_key = secrets.token_urlsafe(32)
+        self.ctx.record.update(self.host, api_key_nonce=new_nonce(), api_key=None)
         api_url = certificate.https_url(service[0], service[1])
         async with self.ctx.waits.on("server"):
-            await certificate.install(
-                self.conn, self.ctx.ca, service[0], self.host.name, certificate.lifetime_end(self.host.contract_end_at)
-            )
+            certificate_until = certificate.lifetime_end(self.host.contract_end_at)
+            await certificate.install(self.conn, self.ctx.ca, service[0], self.host.name, certificate_until)
+            self.ctx.record.update(self.host, certificate_until=certificate_until)
             await hostops.start_server(
                 self.conn,
                 self.profile,
                 SERVICE_PORT,
                 self.files,
-                Server(api_url, api_key, self.ctx.tls),
+                Server(api_url, self.ctx.api_key(self.host), self.ctx.tls),
                 self.ctx.settings.timeouts.load,
                 await profiles.chat_template(self.ctx, self.profile) if self.profile.chat_template else None,
             )
-        self.ctx.record.update(self.host, api_url=api_url, api_key=api_key, started_at=utcnow())
+        self.ctx.record.update(self.host, api_url=api_url, started_at=utcnow())
         await self.check_card()
 
     async def check_card(self) -> None:

@@ -13,8 +13,9 @@ from fleet.engines import RUN_DIR
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run
 
-# A host whose contract fleet does not know gets a certificate for this long; a host that lives longer
-# fails its health check on the day and is replaced.
+# A host whose contract fleet does not know gets a certificate for this long. The health sweep replaces a
+# host, make-before-break, before its certificate ends (llama-server reads it only at start: renewing it in
+# place would restart the server under the calls it carries).
 UNBOUNDED_HOST_DAYS = 30
 
 

@@ -21,7 +21,7 @@ def endpoints(ctx: Context) -> list[dict[str, Any]]:
             "model": h.model,
             "slots": h.slots,
             "region": h.region,
-            "api_key": h.api_key,
+            "api_key": ctx.api_key(h),
             "ca_file": str(ctx.ca.certificate_path),  # the only CA a host's certificate verifies against
         }
         for h in ctx.record.hosts(states=(HostState.READY,))

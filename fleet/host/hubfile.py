@@ -27,8 +27,9 @@ class HubFile:
     download_url: str  # what a host is given: the signed CDN URL (or `url` for a public file served in place)
 
 
-async def resolve(url: str, hf_token: str, timeout_s: float = 30.0) -> HubFile:
-    """The file at `url`: its sha256 and size as the hub states them, and the URL a host may fetch it from."""
+async def resolve(url: str, hf_token: str, timeout_s: float = 30.0, pinned_sha256: str | None = None) -> HubFile:
+    """The file at `url`: its sha256 and size as the hub states them, and the URL a host may fetch it from.
+    `pinned_sha256` (the profile's): a hub that states another sha256 is refused before any host pulls."""
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             r = await client.head(url, follow_redirects=False)
@@ -49,6 +50,13 @@ async def resolve(url: str, hf_token: str, timeout_s: float = 30.0) -> HubFile:
     size = r.headers.get("X-Linked-Size") or ""
     if r.status_code >= 400 or not re.fullmatch(r"[0-9a-f]{64}", sha256) or not size.isdigit():
         raise PhaseFailed("pull", f"the hub gave no sha256 for {url} (HTTP {r.status_code})", blacklist=False)
+    if pinned_sha256 is not None and sha256 != pinned_sha256:
+        raise PhaseFailed(
+            "pull",
+            f"the hub serves {url} with sha256 {sha256}, not the {pinned_sha256} fleet.toml pins",
+            blacklist=False,
+            retry=False,
+        )
     if r.status_code in _REDIRECTS and r.headers.get("Location"):
         download_url = urljoin(url, r.headers["Location"])
     elif gated:

@@ -61,7 +61,7 @@ async def probe_host(
 ) -> list[ProbeResult]:
     """Run the named probes on the host and record each result; PhaseFailed("probes") when probing itself
     failed (no verdict)."""
-    assert host.api_url and host.api_key
+    assert host.api_url
     try:
         async with asyncio.timeout(timeout_s), ctx.waits.on("server"):
             results = await run_probes(names, ctx.server(host), profile, ctx.settings, ssh, plot_path)
@@ -111,7 +111,7 @@ async def bench(
     """Replay the call at growing concurrency, searching for the most callers the host holds at its
     profile's voice target; record the levels, the capacity and the cost per voice-minute."""
     host = serving_host(ctx, name)
-    assert host.api_url and host.api_key and host.id is not None
+    assert host.api_url and host.id is not None
     target = ctx.settings.profile(host.model).voice
     levels = await run_bench(
         ctx.server(host),
@@ -121,11 +121,18 @@ async def bench(
         warmup=warmup,
         max_tokens=max_tokens,
         search=lambda most: lambda measured: next_level(measured, target, most),
+        slots_started=host.slots,
     )
     held = capacity({lv.callers: lv for lv in levels}, target, max_callers or max(lv.callers for lv in levels))
+    if held.callers > host.slots:
+        # a caller beyond the slots fleet started the server with waits for one: what held there is the
+        # host's claim (a lying /props, timings), not a capacity
+        held = Capacity(
+            host.slots, target, False, held.held, None, f"capped at the {host.slots} slots it was started with"
+        )
     earlier = ctx.record.latest_bench([host.id]).get(host.id)
     kept = None
-    if held.exhausted and earlier is not None and earlier.capacity > held.callers:
+    if held.exhausted and earlier is not None and host.slots >= earlier.capacity > held.callers:
         # this bench held at every level it tried, and tried fewer callers than the host was measured to
         # hold: it says nothing against that capacity, which stays
         kept = earlier.capacity

@@ -47,7 +47,7 @@ async def pull_files(
             for f in profile.files:
                 url = f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
                 dest = f"{MODELS_DIR}/{f.file}"
-                hub_file = await hubfile.resolve(url, hf_token)
+                hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=f.sha256)
                 pulled = _FilePull(f.file, hub_file.size, progress)
                 for renewal in range(URL_RENEWALS + 1):
                     grown_to = pulled.moved_to
@@ -57,7 +57,8 @@ async def pull_files(
                     except RemoteError as e:
                         if pulled.moved_to <= grown_to or renewal == URL_RENEWALS:
                             raise PhaseFailed("pull", str(e)) from None
-                        hub_file = await hubfile.resolve(url, hf_token)  # a long pull outlives its signed URL
+                        # a long pull outlives its signed URL
+                        hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=f.sha256)
                 if last != f"ok {hub_file.sha256} {hub_file.size}":
                     raise PhaseFailed("pull", f"{f.file}: unexpected result {last[:120]!r}")
                 progress(f.file, hub_file.size, hub_file.size)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import asyncssh
 
@@ -69,23 +70,43 @@ async def connect(
         await asyncio.sleep(0.5)
 
 
+MAX_OUTPUT = 1 << 20  # bytes fleet reads from one stream of one command on a host
+MAX_LINE = 16 * 1024  # the longest line a streamed command may print
+
+
+@dataclass(frozen=True)
+class Completed:
+    stdout: str
+    stderr: str
+    exit_status: int
+
+
 async def run(
     conn: asyncssh.SSHClientConnection,
     argv: list[str],
     *,
     stdin: str | None = None,
     timeout_s: float | None = None,
-) -> asyncssh.SSHCompletedProcess:
-    """Run argv on the host; raise RemoteError with its stderr when it fails."""
-    command = shlex.join(argv)
+) -> Completed:
+    """Run argv on the host; raise RemoteError with its stderr when it fails. What the host writes back is
+    read up to MAX_OUTPUT a stream, within `timeout_s` in all: a host that floods or drips is an error."""
     try:
-        result = await asyncio.wait_for(conn.run(command, input=stdin, check=False), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            process = await _start(conn, argv, stdin)
+            try:
+                stdout, stderr = await asyncio.gather(
+                    _read_capped(process.stdout, argv[0]), _read_capped(process.stderr, argv[0])
+                )
+                await process.wait()
+            finally:
+                process.close()
     except TimeoutError:
         raise RemoteError(f"{argv[0]} did not finish within {timeout_s:.0f}s") from None
-    if result.exit_status != 0:
-        err = str(result.stderr or "").strip().splitlines()
-        raise RemoteError(f"{argv[0]} exited {result.exit_status}: {err[-1] if err else 'no error output'}")
-    return result
+    status = process.exit_status if process.exit_status is not None else -1
+    if status != 0:
+        err = stderr.strip().splitlines()
+        raise RemoteError(f"{argv[0]} exited {status}: {err[-1][:300] if err else 'no error output'}")
+    return Completed(stdout, stderr, status)
 
 
 async def run_streaming(
@@ -95,23 +116,64 @@ async def run_streaming(
     *,
     stdin: str | None = None,
 ) -> str:
-    """Run argv, calling on_line for each stdout line; return the last line. RemoteError on failure."""
-    process = await conn.create_process(shlex.join(argv), stdin=asyncssh.PIPE if stdin else asyncssh.DEVNULL)
-    if stdin:
+    """Run argv, calling on_line for each stdout line (none longer than MAX_LINE); return the last line.
+    RemoteError on failure."""
+    process = await _start(conn, argv, stdin)
+    try:
+        errors_read = asyncio.ensure_future(_read_capped(process.stderr, argv[0]))
+        last = ""
+        try:
+            async for line in _lines(process.stdout, argv[0]):
+                if not line:
+                    continue
+                last = line
+                maybe = on_line(line)
+                if maybe is not None:
+                    await maybe
+            stderr = await errors_read
+        finally:
+            errors_read.cancel()
+        await process.wait()
+    finally:
+        process.close()
+    if process.exit_status != 0:
+        errors = [ln for ln in stderr.strip().splitlines() if ln.startswith("error")] or stderr.splitlines()
+        raise RemoteError(
+            f"{argv[0]} exited {process.exit_status}: {errors[-1][:300] if errors else 'no error output'}"
+        )
+    return last
+
+
+async def _start(conn: asyncssh.SSHClientConnection, argv: list[str], stdin: str | None) -> asyncssh.SSHClientProcess:
+    # text, with bytes that are not UTF-8 replaced: what a host prints is never trusted to be well formed
+    process = await conn.create_process(
+        shlex.join(argv), stdin=asyncssh.PIPE if stdin is not None else asyncssh.DEVNULL, errors="replace"
+    )
+    if stdin is not None:
         process.stdin.write(stdin)
         process.stdin.write_eof()
-    last = ""
-    async for line in process.stdout:
-        line = line.rstrip("\n")
-        if not line:
-            continue
-        last = line
-        maybe = on_line(line)
-        if maybe is not None:
-            await maybe
-    stderr = await process.stderr.read()
-    await process.wait()
-    if process.exit_status != 0:
-        errors = [ln for ln in str(stderr).strip().splitlines() if ln.startswith("error")] or str(stderr).splitlines()
-        raise RemoteError(f"{argv[0]} exited {process.exit_status}: {errors[-1] if errors else 'no error output'}")
-    return last
+    return process
+
+
+async def _read_capped(stream: asyncssh.SSHReader, what: str) -> str:
+    parts: list[str] = []
+    size = 0
+    while chunk := await stream.read(65536):
+        size += len(chunk)
+        if size > MAX_OUTPUT:
+            raise RemoteError(f"{what} wrote more than {MAX_OUTPUT} bytes")
+        parts.append(chunk)
+    return "".join(parts)
+
+
+async def _lines(stream: asyncssh.SSHReader, what: str) -> AsyncIterator[str]:
+    pending = ""
+    while chunk := await stream.read(65536):
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line
+        if len(pending) > MAX_LINE:
+            raise RemoteError(f"{what} printed a line longer than {MAX_LINE} characters")
+    if pending:
+        yield pending

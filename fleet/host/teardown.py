@@ -25,6 +25,7 @@ from fleet.engines.llama_server import requests_processing
 from fleet.host.attempts import end_attempt
 from fleet.host.endpoints import publish_endpoints
 from fleet.market import MarketError
+from fleet.probes.server import ReplyTooLarge, bounded
 
 T = TypeVar("T")
 MAX_METRICS = 256 * 1024  # a /metrics answer is a few kB: what a host sends beyond this is not read
@@ -50,16 +51,12 @@ async def drain(ctx: Context, host: Host) -> None:
 
 async def _metrics(client: httpx.AsyncClient) -> str:
     """The host's /metrics, at most MAX_METRICS bytes of it and within 5 s: a host that drips or floods its
-    answer is not waited on nor read past that. Empty when it did not answer 200."""
-    body = b""
-    async with asyncio.timeout(5), client.stream("GET", "/metrics") as r:
-        if r.status_code != 200:
-            return ""
-        async for chunk in r.aiter_bytes():
-            body += chunk
-            if len(body) > MAX_METRICS:
-                return ""
-    return body.decode("utf-8", errors="replace")
+    answer is not waited on nor read past that. Empty when it did not answer 200 or answered too much."""
+    try:
+        reply = await bounded(client, "GET", "/metrics", deadline_s=5, max_bytes=MAX_METRICS)
+    except ReplyTooLarge:
+        return ""
+    return reply.body.decode("utf-8", errors="replace") if reply.status_code == 200 else ""
 
 
 def blacklist_machine(ctx: Context, host: Host, phase: str, reason: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fleet.probes.call import Call
-from fleet.probes.server import Server
+from fleet.probes.server import Server, bounded
 from fleet.probes.stream import ChatResult, Connection
 
 
@@ -75,15 +75,20 @@ def summarize(
     )
 
 
-async def fit_call(server: Server, call: Call, share_of_ctx: float = 0.4) -> tuple[Call, int]:
-    """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots)."""
+async def fit_call(
+    server: Server, call: Call, share_of_ctx: float = 0.4, slots_started: int | None = None
+) -> tuple[Call, int]:
+    """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots). The slots
+    are what /props says, never more than `slots_started` (the -np fleet started the server with): a host
+    that claims more is not believed."""
     async with server.client(timeout=60) as client:
-        props = (await client.get("/props")).raise_for_status().json()
-        slots = int(props.get("total_slots") or 1)
+        props = (await bounded(client, "GET", "/props", deadline_s=60)).raise_for_status().json()
+        slots = max(int(props.get("total_slots") or 1), 1)
+        if slots_started is not None:
+            slots = min(slots, slots_started)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
-        tokens = len(
-            (await client.post("/tokenize", json={"content": call.system})).raise_for_status().json()["tokens"]
-        )
+        tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"content": call.system})
+        tokens = len(tokenized.raise_for_status().json()["tokens"])
     budget = int(n_ctx * share_of_ctx)
     if tokens > budget:
         call = call.with_system_chars(int(len(call.system) * budget / tokens))
@@ -158,11 +163,13 @@ async def run_bench(
     warmup: int = 1,
     max_tokens: int = 32,
     search: Callable[[int], Callable[[dict[int, LevelResult]], int | None]] = sweep,
+    slots_started: int | None = None,
 ) -> list[LevelResult]:
     """Measure levels of concurrent callers in the order `search(most)` picks them (given what was
     measured so far) until it says None; the results in order of callers. One caller is measured first:
-    its decode rate is what the others' share is of."""
-    call, slots = await fit_call(server, call)
+    its decode rate is what the others' share is of. `slots_started`: the slots fleet started the server
+    with, the most callers tried unless `max_callers` asks for more."""
+    call, slots = await fit_call(server, call, slots_started=slots_started)
     most = max_callers or slots
     choose = search(most)
     measured: dict[int, LevelResult] = {}

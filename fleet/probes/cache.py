@@ -24,10 +24,11 @@ import httpx
 from fleet.probes import ProbeResult
 from fleet.probes.call import Call
 from fleet.probes.renderings import CountTokens, Glue, Message, PrefixBreak, Render, check_renderings
-from fleet.probes.server import Server
+from fleet.probes.server import Server, bounded
 from fleet.probes.stream import Connection
 
 REWRITE_REPLY = "Sorry, go on."
+READ_DEADLINE_S = 60  # a template render or a token count, whole
 
 
 @dataclass(frozen=True)
@@ -106,18 +107,17 @@ def server_renderer(client: httpx.AsyncClient) -> Render:
     """The renderings check's renderer: the server's own `/apply-template` (its template, its engine)."""
 
     async def render(messages: list[Message], tools: list[dict[str, Any]], generation_prompt: bool) -> str:
-        r = await client.post(
-            "/apply-template", json={"messages": messages, "tools": tools, "add_generation_prompt": generation_prompt}
-        )
-        r.raise_for_status()
-        return r.json()["prompt"]
+        body = {"messages": messages, "tools": tools, "add_generation_prompt": generation_prompt}
+        r = await bounded(client, "POST", "/apply-template", deadline_s=READ_DEADLINE_S, json=body)
+        return r.raise_for_status().json()["prompt"]
 
     return render
 
 
 def server_token_count(client: httpx.AsyncClient) -> CountTokens:
     async def count(text: str) -> int | None:
-        r = await client.post("/tokenize", json={"content": text, "add_special": False})
+        body = {"content": text, "add_special": False}
+        r = await bounded(client, "POST", "/tokenize", deadline_s=READ_DEADLINE_S, json=body)
         return len(r.json()["tokens"]) if r.status_code == 200 else None
 
     return count

@@ -25,6 +25,7 @@ from fleet.engines.llama_server import Timings
 from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
+MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
 class StreamError(FleetError, RuntimeError):
@@ -172,6 +173,8 @@ class Connection:
             self._writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
             await self._writer.drain()
             status, headers = await self._read_head()
+        except asyncio.LimitOverrunError:
+            raise StreamError("the answer's head runs past 64 KiB") from None
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             if reused:  # the server closed while we were idle: once more on a fresh connection
                 await self.close()
@@ -254,12 +257,27 @@ class Connection:
         return status, headers
 
     async def _body(self, headers: dict[str, str]):  # type: ignore[no-untyped-def]
+        """The answer's body as it arrives, at most MAX_BODY bytes of it (a host's answer is not trusted)."""
+        try:
+            async for data in self._raw_body(headers):
+                yield data
+        except asyncio.LimitOverrunError:
+            raise StreamError("a chunk's size line runs past 64 KiB") from None
+
+    async def _raw_body(self, headers: dict[str, str]):  # type: ignore[no-untyped-def]
         assert self._reader is not None
         reader = self._reader
+        total = 0
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 size_line = await reader.readuntil(b"\r\n")
-                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                try:
+                    size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                except ValueError:
+                    raise StreamError(f"bad chunk size {size_line[:40]!r}") from None
+                total += size
+                if total > MAX_BODY:
+                    raise StreamError(f"the answer runs past {MAX_BODY} bytes")
                 if size == 0:
                     await reader.readuntil(b"\r\n")  # the empty trailer
                     return
@@ -267,7 +285,12 @@ class Connection:
                 await reader.readexactly(2)
                 yield data
         elif "content-length" in headers:
-            remaining = int(headers["content-length"])
+            try:
+                remaining = int(headers["content-length"])
+            except ValueError:
+                raise StreamError(f"bad Content-Length {headers['content-length'][:40]!r}") from None
+            if remaining > MAX_BODY:
+                raise StreamError(f"the answer runs past {MAX_BODY} bytes")
             while remaining > 0:
                 data = await reader.read(min(remaining, 65536))
                 if not data:
@@ -276,6 +299,9 @@ class Connection:
                 yield data
         else:
             while data := await reader.read(65536):
+                total += len(data)
+                if total > MAX_BODY:
+                    raise StreamError(f"the answer runs past {MAX_BODY} bytes")
                 yield data
             await self.close()
 

@@ -119,8 +119,12 @@ async def sample_card(ssh: asyncssh.SSHClientConnection | None) -> list[GpuSampl
     """One nvidia-smi sample of every GPU, or None when the host has no nvidia-smi (or no SSH)."""
     if ssh is None:
         return None
-    result = await ssh.run(" ".join(QUERY), check=False)
-    if result.exit_status != 0:
+    try:
+        # a host's answer within a deadline and a size: one nvidia-smi line a GPU
+        result = await asyncio.wait_for(ssh.run(" ".join(QUERY), check=False, errors="replace"), 30)
+    except TimeoutError:
+        return None
+    if result.exit_status != 0 or len(str(result.stdout)) > 64 * 1024:
         return None
     try:
         return parse_query_csv(str(result.stdout))
