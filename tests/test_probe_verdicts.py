@@ -10,7 +10,7 @@ from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
 from fleet.probes.keepalive import judge_keepalive
 from fleet.probes.renderings import Glue, PrefixBreak
-from fleet.probes.stream import ChatResult, Connection, SseParser, Timing
+from fleet.probes.stream import DECODE_SLACK, ChatResult, Connection, SseParser, Timing
 from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvidia-smi-h200" / "query-gpu-csv.txt"
@@ -176,3 +176,17 @@ def test_fleets_own_query_output_from_a_real_h200_parses_and_judges():
     assert verdict.passed and verdict.metrics["gpu_c_max"] == 63.0
     assert verdict.metrics["throttle_flags"] == ["sw_power_cap"]
     assert not judge_thermal(steady, cards, 0.8, 60, 95).passed  # the same card, a stricter limit
+
+
+def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
+    """A host's timings may say anything; what arrived here in how long bounds them (with DECODE_SLACK for
+    this client's lag), and its token count is no more than the request asked for."""
+    liar = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
+    liar.server_timings = {"predicted_per_second": 1000.0, "predicted_n": 64}
+    liar.usage = {"completion_tokens": 10_000}  # more than asked for: counted as 64
+    assert liar.decode_tok_s == pytest.approx(63 / 1.0 * DECODE_SLACK)
+    honest = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
+    honest.server_timings = {"predicted_per_second": 60.0, "predicted_n": 64}
+    assert honest.decode_tok_s == 60.0
+    level = summarize(2, [(1.0, [liar, honest])], one_caller_decode=None, reconnects=0)
+    assert level.decode_per_caller_tok_s == pytest.approx((63 * DECODE_SLACK + 60) / 2)

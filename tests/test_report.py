@@ -30,6 +30,7 @@ def chromium(*args: str) -> subprocess.CompletedProcess:
 async def test_the_session_report_renders_in_a_browser_with_its_plots_and_no_key(cloud, local_cloud_env, tmp_path):
     async with fleet_for(settings_for(tmp_path)) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        host_key = fleet.api_key(host)
         try:
             [thermal] = await fleet.probe(host.name, only=["thermal"])
             await fleet.bench(host.name, max_callers=1, waves=1, warmup=0, max_tokens=16)
@@ -54,7 +55,7 @@ async def test_the_session_report_renders_in_a_browser_with_its_plots_and_no_key
 
     page, summary = (out / "report.html").read_text(), (out / "report.md").read_text()
     assert f"| {host.name} | 1x {host.gpu_name} |" in summary
-    for secret in (host.api_key, cloud.info.api_key()):
+    for secret in (host_key, cloud.info.api_key()):
         assert secret not in page and secret not in summary
 
     dom = chromium("--dump-dom", (out / "report.html").as_uri())

@@ -55,7 +55,7 @@ def summarize(
     results = [r for _, wave in waves for r in wave]
     good = [r for r in results if r.status == 200 and not r.error]
     firsts = [r.timing.first_content_ms for r in good if r.timing.first_content_ms is not None]
-    decode = [r.served.predicted_per_second for r in good if r.served.predicted_per_second]
+    decode = [rate for r in good if (rate := r.decode_tok_s)]
     reuse = [r.served.cache_n / r.usage["prompt_tokens"] for r in good if r.usage.get("prompt_tokens")]
     throughput = [sum(r.served.predicted_n for r in wave) / wall for wall, wave in waves if wall > 0]
     per_caller = statistics.median(decode) if decode else None

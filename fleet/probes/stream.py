@@ -25,6 +25,7 @@ from fleet.engines.llama_server import Timings
 from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
+DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -85,11 +86,30 @@ class ChatResult:
     events: int = 0
     error: str | None = None
     server_closed: bool = False  # the server closed the connection after this response
+    max_tokens: int | None = None  # what the request asked for: no reply holds more
 
     @property
     def served(self) -> Timings:
         """What the server's `timings` say of this reply (fleet/engines/llama_server.py)."""
         return Timings.of(self.server_timings)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here:
+        the tokens it counts (no more than were asked for) after the first, over this clock's time from
+        the first content to the end. A host cannot flatter its decode much past what it delivered; the
+        slack covers this client's own lag on a busy machine."""
+        claimed = self.served.predicted_per_second
+        tokens = self.usage.get("completion_tokens") or self.served.predicted_n
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            tokens = self.served.predicted_n
+        if self.max_tokens is not None:
+            tokens = min(tokens, self.max_tokens)
+        first = self.timing.first_content_ms
+        if claimed is None or first is None or tokens < 2 or self.timing.total_ms <= first:
+            return claimed
+        delivered = (tokens - 1) / ((self.timing.total_ms - first) / 1000)
+        return min(claimed, delivered * DECODE_SLACK)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""
@@ -182,6 +202,7 @@ class Connection:
             raise StreamError(f"connection failed: {e}") from None
         headers_ms = (time.perf_counter() - started) * 1000
         result = ChatResult(status=status, timing=Timing(connect_ms, headers_ms, None, 0.0, reused, tls_ms))
+        result.max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else None
         parser = SseParser()
         first_content: float | None = None
         if status != 200:

@@ -176,7 +176,7 @@ async def one_caller_rate(server: Server, tokens: int) -> float:
         await conn.close()
     if r.status != 200:
         raise ThermalError(f"the one-caller decode request failed: {r.error or f'HTTP {r.status}'}")
-    return r.served.predicted_per_second or 0.0
+    return r.decode_tok_s or 0.0
 
 
 async def run_thermal(
