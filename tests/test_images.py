@@ -21,6 +21,7 @@ def test_host_scripts_pass_shellcheck():
         IMAGE / "patchset-id",
         ROOT / "scripts" / "build-llama-server",
         ROOT / "scripts" / "setup",
+        ROOT / "scripts" / "lock",
         ROOT / ".ci" / "run",
     ]
     r = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
