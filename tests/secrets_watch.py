@@ -3,7 +3,8 @@ Face token in any log, any command's captured output, the command line of any pr
 it does not belong; databases and key files private to their owner.
 
 While the session runs, a thread reads every process's command line (and a local cloud host's environment)
-twice a second and every `fleet` command
+twice a second, asks every host's llama-server once, as anyone on the network could, for /slots in clear
+and over TLS without the key (neither may answer), and every `fleet` command
 run through subprocess.run has its output kept. At the end the secrets are gathered from where the session
 made them (each local cloud's api_key file, every llama-server key derived from a fleet database's nonces and
 the secret beside it, every private key file: SSH, CA, hosts' TLS keys, the tokens tests register) and looked
@@ -12,7 +13,9 @@ for everywhere. A fleet database must hold no llama-server key: only the endpoin
 
 from __future__ import annotations
 
+import socket
 import sqlite3
+import ssl
 import stat
 import subprocess
 import threading
@@ -36,6 +39,11 @@ class SecretsWatch:
         self.registered: set[str] = set()
         self.command_lines: set[bytes] = set()
         self.host_environs: set[bytes] = set()  # the environment of every process a local cloud's host ran
+        # a host of a local cloud this session started: its key directory lies under the session's folder
+        self._host_mark = HOST_MARK + str(basetemp).encode()
+        self.host_servers: set[tuple[int, tuple[str, int]]] = set()  # hosts' llama-servers checked, by PID
+        self.served_in_clear: list[str] = []
+        self.host_servers_seen: set[int] = set()
         self.outputs: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_processes, daemon=True, name="secrets-watch")
@@ -67,9 +75,42 @@ class SecretsWatch:
                         environ = (entry / "environ").read_bytes()
                     except OSError:
                         continue
-                    if HOST_MARK in environ:
+                    if self._host_mark in environ:
                         self.host_environs.add(environ)
+                        self._check_host_server(int(entry.name), self._cmdline_of(entry))
             time.sleep(0.5)
+
+    @staticmethod
+    def _cmdline_of(entry: Path) -> list[str]:
+        try:
+            return (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            return []
+
+    def _check_host_server(self, pid: int, argv: list[str]) -> None:
+        """Once a host's llama-server answers: it serves nothing in clear, and /slots to no one without the key."""
+        if not any(a.endswith("llama-server") for a in argv) or "--host" not in argv or "--port" not in argv:
+            return
+        where = (argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1]))
+        self.host_servers_seen.add(pid)
+        if (pid, where) in self.host_servers:
+            return
+        try:
+            with socket.create_connection(where, timeout=2) as plain:
+                plain.sendall(b"GET /slots HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+                said = plain.recv(64)
+            if said.startswith((b"HTTP/1.1 2", b"HTTP/1.0 2")):
+                self.served_in_clear.append(f"a host's server at {where} answered plain HTTP: {said[:30]!r}")
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # whoever it is: is /slots open?
+            with socket.create_connection(where, timeout=2) as tcp, context.wrap_socket(tcp) as tls:
+                tls.sendall(b"GET /slots HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+                said = tls.recv(64)
+            if said.startswith((b"HTTP/1.1 2", b"HTTP/1.0 2")):
+                self.served_in_clear.append(f"a host's server at {where} gave /slots without the key")
+        except (OSError, ssl.SSLError):
+            return  # not answering yet (loading), or gone: looked at again on the next pass
+        self.host_servers.add((pid, where))
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,6 +158,9 @@ class SecretsWatch:
             for kind, secret in everything:
                 if secret.encode() in line:
                     found.append(f"{kind} on a command line: {line[:80]!r}")
+        found.extend(self.served_in_clear)
+        if self.host_servers_seen and not self.host_servers:
+            found.append(f"{len(self.host_servers_seen)} hosts' servers ran and none answered the check")
         for environ in self.host_environs:
             for kind, secret in everything:
                 if kind != "llama-server key" and secret.encode() in environ:

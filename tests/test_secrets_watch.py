@@ -1,6 +1,7 @@
 """The secrets scan itself finds what it must: a key in a log, on a command line, in a command's output, and a
 database others can read (so a clean session means something)."""
 
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -10,6 +11,16 @@ from pathlib import Path
 
 from fleet.core.apikeys import host_api_key
 from tests.secrets_watch import SecretsWatch
+
+# a "host" serving /slots in clear, to anyone
+PLAIN_SLOTS = (
+    "import http.server, sys\n"
+    "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(b'[]')\n"
+    "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n"
+)
 
 
 def test_the_scan_finds_a_planted_secret_everywhere_it_looks():
@@ -42,9 +53,18 @@ def planted_and_found(tmp_path: Path) -> None:
     watch.start()
     try:
         watch.register("t" * 37)
-        host_env = {"PATH": "/usr/bin:/bin", "FLEET_HOST_KEY_DIR": "/x", "HF_TOKEN": "t" * 37}
-        with subprocess.Popen(["sh", "-c", "sleep 1.5", derived]), subprocess.Popen(["sleep", "1.5"], env=host_env):
-            time.sleep(1.2)  # the watch reads command lines twice a second
+        host_env = {"PATH": "/usr/bin:/bin", "FLEET_HOST_KEY_DIR": str(tmp_path / "h" / "etc"), "HF_TOKEN": "t" * 37}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        clear = [sys.executable, "-c", PLAIN_SLOTS, "/x/llama-server", "--host", "127.0.0.1", "--port", str(port)]
+        with (
+            subprocess.Popen(["sh", "-c", "sleep 1.5", derived]),
+            subprocess.Popen(["sleep", "1.5"], env=host_env),
+            subprocess.Popen(clear, env=host_env) as plain_host,
+        ):
+            time.sleep(2.5)  # the watch reads command lines twice a second, and asks a host's server once up
+            plain_host.kill()
         subprocess.run([sys.executable, "-c", f"print('{vast_key}')", "fleet.cli"], capture_output=True, text=True)
     finally:
         watch.stop()
@@ -52,6 +72,7 @@ def planted_and_found(tmp_path: Path) -> None:
     assert f"vast.ai API key in {tmp_path / 'run' / 'server.log'}" in found
     assert "llama-server key on a command line" in found
     assert "token in a host's environment" in found
+    assert f"a host's server at ('127.0.0.1', {port}) answered plain HTTP" in found
     assert "vast.ai API key in a command's output" in found
     assert f"{database} is readable by others" in found
     assert f"llama-server key in {database}" in found  # a database holds nonces, never a key
