@@ -65,7 +65,7 @@ async def main(rounds: int) -> None:
         try:
             base = settings_for(tmp)
             tiny = base.models["tiny"]
-            big = tiny.files[0].model_copy(update={"repo": REPO, "file": FILE})
+            big = tiny.files[0].model_copy(update={"repo": REPO, "file": FILE, "sha256": None})
             settings = with_variant(base, "big", files=[big], on_up=["smoke"], disk_gb=20)
             times = [await one_round(settings) for _ in range(rounds)]
             async with fleet_for(settings) as fleet:

@@ -55,7 +55,7 @@ def with_variant(
     """Add a profile made from `tiny`: another hub file, other llama-server flags (its slots follow `-np`),
     other probes on up, other profile keys (`chat_template`, `accept_template_breaks`)."""
     tiny = settings.models["tiny"]
-    files = [tiny.files[0].model_copy(update={"file": file})] if file else tiny.files
+    files = [tiny.files[0].model_copy(update={"file": file, "sha256": None})] if file else tiny.files
     probes = tiny.probes.model_copy(update={"on_up": on_up}) if on_up is not None else tiny.probes
     if args is not None and "-np" in args:
         profile.setdefault("slots", int(args[args.index("-np") + 1]))  # as a profile's validator holds them

@@ -51,7 +51,9 @@ def gpu_machine(tmp_path_factory: pytest.TempPathFactory, llama_server: Path):
 def _small_settings(tmp_path: Path, **sections: dict):
     settings = settings_for(tmp_path, **sections)
     tiny = settings.models["tiny"]
-    small = tiny.files[0].model_copy(update={"repo": "fleet-local/gpu-models", "file": "small-shape-Q8_0.gguf"})
+    small = tiny.files[0].model_copy(
+        update={"repo": "fleet-local/gpu-models", "file": "small-shape-Q8_0.gguf", "sha256": None}
+    )
     return with_variant(settings, "small", files=[small], on_up=["smoke"])
 
 
