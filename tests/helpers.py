@@ -153,3 +153,23 @@ def sag_soon(cloud: Any, instance_id: int, delay_s: float = 1.5, ramp_s: float =
     started = time.time() - row["running_at"] + delay_s
     machine = str(row["offer"]["machine_id"])
     cloud.set_faults({"decode_sag": {machine: {"start_after_s": started, "ramp_s": ramp_s, "max_stop_share": share}}})
+
+
+async def sag_after_first_reply(cloud: Any, fleet: Any, host: Any, *, ramp_s: float = 0.5, share: float = 0.8) -> None:
+    """Make a host's decode sag (as a hot card) once it has finished a reply after this call: a probe started
+    beside this has its cold sample in, however slowly a busy machine took it. Run it as a task beside the
+    probe; it returns once the sag is set."""
+    import re
+
+    async with fleet.server(host).client(timeout=10) as client:
+
+        async def predicted() -> float:
+            text = (await client.get("/metrics")).text
+            found = re.search(r"^llamacpp:tokens_predicted_total (\S+)$", text, re.M)
+            assert found, "llama-server's /metrics has no tokens_predicted_total"
+            return float(found.group(1))
+
+        before = await predicted()
+        while await predicted() <= before:
+            await asyncio.sleep(0.05)
+    sag_soon(cloud, host.instance_id, delay_s=0.0, ramp_s=ramp_s, share=share)

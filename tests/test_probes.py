@@ -16,7 +16,7 @@ from fleet.economics.capacity import judge_level
 from fleet.engines.llama_server import requests_processing
 from fleet.probes.template import TemplateError, bundled
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
-from tests.helpers import sag_soon
+from tests.helpers import sag_after_first_reply
 
 SWA_TRAP = "tiny-gemma2-swa16.gguf"
 REWRITING = "tiny-llama-rewriting-template.gguf"
@@ -108,10 +108,11 @@ async def test_thermal_fails_on_a_host_whose_decode_sags(cloud, tmp_path):
     settings = settings_for(tmp_path)
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
-        sag_soon(cloud, host.instance_id)
-        try:
+        sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, host))  # the card heats up after
+        try:  # the probe's cold sample, however long that takes
             [thermal] = await fleet.probe(host.name, only=["thermal"])
         finally:
+            sagging.cancel()
             await fleet.destroy(None)
     assert not thermal.passed and "decode share fell to" in thermal.diagnosis
     assert thermal.metrics["decode_share"] < 0.8

@@ -2,6 +2,8 @@
 then on the local cloud: two offers at the same $/h, one machine slowed (a hot card); after fleet
 benches both, the slowed one holds fewer callers, costs more per voice-minute and ranks second."""
 
+import asyncio
+
 import pytest
 
 from fleet.control.up import UpRequest
@@ -10,7 +12,7 @@ from fleet.economics.machines import MachineRecord
 from fleet.economics.offers import effective_price_per_hour
 from fleet.economics.selection import expect, rank
 from tests.fleetkit import fleet_for, ranked_offers, settings_for
-from tests.helpers import sag_soon
+from tests.helpers import sag_after_first_reply, sag_soon
 from tests.test_offers import PROFILE, offer
 
 
@@ -106,8 +108,10 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             )
             healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
             hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
-            sag_soon(cloud, slowed.instance_id)  # the card cools for a moment, then heats up during the probe
+            cloud.set_faults({})  # the card cools, then heats up again once the probe has its cold sample
+            sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, slowed))
             [thermal] = await fleet.probe(slowed.name, only=["thermal"])
+            sagging.cancel()
             after = fleet.rank(tiny, pair)
             remembered = {m.machine_id: m for m in fleet.machines()}
         finally:
