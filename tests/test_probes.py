@@ -134,10 +134,15 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
         try:
             probe = asyncio.create_task(fleet.probe(host.name, only=["thermal"]))
             async with fleet.server(host).client(timeout=10) as client:
-                await asyncio.sleep(1.0)  # the load callers are connected and decoding by now
+
+                async def in_flight() -> int:
+                    return requests_processing((await client.get("/metrics")).raise_for_status().text) or 0
+
+                # from when the load callers are all decoding (a busy machine takes its time connecting them)
+                while not probe.done() and await in_flight() < 3:
+                    await asyncio.sleep(0.05)
                 while not probe.done():
-                    metrics = (await client.get("/metrics")).raise_for_status().text
-                    busy.append(requests_processing(metrics) or 0)
+                    busy.append(await in_flight())
                     await asyncio.sleep(0.05)
             [thermal] = await probe
         finally:
@@ -145,11 +150,13 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
     assert thermal.metrics["load"]["ok"] > 0 and len(thermal.metrics["decode_rates"]) >= 3
     assert len(busy) > 20
     # the three load callers, whatever the measuring one does: each is briefly between two requests now and
-    # then (longer on a busy machine), but the load never pauses while the probe measures (a probe that paused
-    # it for each measurement showed runs of dozens of polls below three)
+    # then, but the load never pauses while the probe measures. What tells the two apart is how long a dip
+    # lasts: a probe that paused its load for each measurement showed runs of dozens of polls below three
+    # (and a third of them loaded); this one, a few polls at most. How many polls see all three moves with the
+    # machine's load (0.47-0.9 seen, the lower with a hogged core and three test workers): a floor alone.
     loaded = sum(1 for n in busy if n >= 3) / len(busy)
     longest_dip = max((len(run) for run in "".join("x" if n < 3 else " " for n in busy).split()), default=0)
-    assert loaded > 0.75 and longest_dip <= 5, (loaded, longest_dip, busy)
+    assert longest_dip <= 5 and loaded > 0.4, (loaded, longest_dip, busy)
 
 
 async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
