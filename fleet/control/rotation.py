@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import asdict, dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
 import httpx
@@ -103,6 +103,15 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
     return True, False, "ok"
 
 
+def ending_soon(host: Host, by: datetime) -> str | None:
+    """Why a healthy host must move before `by`, if it must: vast.ai stops the instance when its contract
+    ends and never starts it again; no client of fleet's trusts its certificate after it ends."""
+    for what, end in (("contract", host.contract_end_at), ("certificate", host.certificate_until)):
+        if end is not None and as_utc(end) <= by:
+            return f"its {what} ends at {as_utc(end):%Y-%m-%d %H:%M} UTC"
+    return None
+
+
 async def marketplace_view(ctx: Context, hosts: list[Host]) -> dict[int, Instance | None]:
     """Each host's instance from one listing; those it lacks are asked by id (gone or a listing gap)."""
     ids = [h.instance_id for h in hosts if h.instance_id is not None]
@@ -130,15 +139,8 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
         reports.append(report)
         if gone or failures >= ctx.settings.rotation.unhealthy_after_sweeps:
             doomed.append((host, report))
-        elif host.contract_end_at is not None and as_utc(host.contract_end_at) <= ending:
-            # vast.ai stops the instance when its contract ends and never starts it again: move first
-            report.reason = f"its contract ends at {as_utc(host.contract_end_at):%Y-%m-%d %H:%M} UTC"
-            report.blame = False
-            doomed.append((host, report))
-        elif host.certificate_until is not None and as_utc(host.certificate_until) <= ending:
-            # no client of fleet's would trust it after that: move while it still serves
-            report.reason = f"its certificate ends at {as_utc(host.certificate_until):%Y-%m-%d %H:%M} UTC"
-            report.blame = False
+        elif ends := ending_soon(host, ending):
+            report.reason, report.blame = ends, False
             doomed.append((host, report))
     limit = asyncio.Semaphore(ctx.settings.rotation.max_concurrent_replacements)
 
