@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import fleet.control.destroy
+import fleet.control.gateway
 import fleet.control.offers
 import fleet.control.reconcile
 import fleet.control.status
@@ -94,5 +95,6 @@ class Fleet(Context):
 @asynccontextmanager
 async def open_fleet(settings: Any, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
     """A Fleet for these settings (fleet.toml's), closed with everything it opened."""
-    async with open_context(settings, reporter, Fleet) as fleet:
-        yield fleet
+    async with open_context(settings, reporter, Fleet) as opened:
+        opened.on_hosts_changed.append(fleet.control.gateway.apply)  # this machine's gateway follows every change
+        yield opened

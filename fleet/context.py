@@ -16,7 +16,7 @@ import asyncio
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +132,9 @@ class Context:
         self._ca: CertificateAuthority | None = None
         self._tls: ssl.SSLContext | None = None
         self._key_secret: bytes | None = None
+        # what runs after the hosts a process serves changed (fleet/host/endpoints.py's publish): app.py
+        # hangs the gateway's apply here, which the host steps below it cannot import
+        self.on_hosts_changed: list[Callable[[Context], Awaitable[object]]] = []
 
     @property
     def market(self) -> VastMarket:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import typer
 
-from fleet.cli import cloud, hosts, measure, offers, rotation
+from fleet.cli import cloud, gateway, hosts, measure, offers, rotation
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
 app.add_typer(cloud_app, name="cloud")
+app.add_typer(gateway.app, name="gateway")
 
 COMMANDS = {
     "offers": offers.offers_cmd,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fleet.context import Context
 from fleet.core.models import Host
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_host
 
 
@@ -30,7 +30,7 @@ async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
     report = DestroyReport()
     for host in targets:
         (report.done if await destroy_host(ctx, host) else report.busy).append(host)
-    publish_endpoints(ctx)
+    await publish(ctx)
     return report
 
 

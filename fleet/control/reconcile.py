@@ -25,7 +25,7 @@ from typing import Any
 from fleet.context import Context
 from fleet.core.models import LABEL_PREFIX, Host, HostState, host_age_s, utcnow
 from fleet.economics.bill import accrued_usd
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_instance, fail
 from fleet.market import Instance, MarketError
 
@@ -61,7 +61,7 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
             f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
         )
     await _sweep_strays(ctx, listing, report)
-    publish_endpoints(ctx)
+    await publish(ctx)
     return report
 
 

@@ -24,7 +24,7 @@ from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
 from fleet.engines import SERVICE_PORT
 from fleet.host import measure
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
 from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance
@@ -232,7 +232,7 @@ async def retire(ctx: Context, host: Host, reason: str, *, blacklist: bool) -> N
     if not ctx.record.transition(host, HostState.DRAINING):
         ctx.reporter.info(host.name, f"it is {host.state} now, not READY; not retired")
         return
-    publish_endpoints(ctx)
+    await publish(ctx)
     await drain(ctx, host)
     if blacklist:
         blacklist_machine(ctx, host, "rotation", reason)

@@ -27,7 +27,7 @@ from fleet.economics import offers as offer_rules
 from fleet.host import profile as profiles
 from fleet.host.attempts import AttemptReport, attempt_row, end_attempt
 from fleet.host.bringup import BringUp, image_login
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.host.phase import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
 from fleet.market import AuthError, CreditSpent, Offer, OfferGone
@@ -158,7 +158,7 @@ async def bring_up_one(
         try:
             await BringUp(ctx, host, profile, offer, standby=request.standby).run()
             end_attempt(ctx, host, None, None)
-            publish_endpoints(ctx)
+            await publish(ctx)
             if request.standby:
                 disk = f"${host.storage_usd_per_hour:.4f}/h for its disk"
                 ctx.reporter.info(host.name, f"STANDBY: stopped with its weights ({disk})")

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from fleet.core import paths
 from fleet.core.countries import ISO_3166_ALPHA_2
 from fleet.core.errors import BadInput
+from fleet.core.gatewaysettings import Gateway
 
 # A profile's own models live in profiles.py; fleet.toml's settings hold them, so they are named here too.
 from fleet.core.profiles import (
@@ -273,6 +274,7 @@ class Serve(Strict):
     calls: Annotated[int, Field(ge=0)] = 0  # 0: no sizing, only the pool
     headroom: Annotated[float, Field(ge=0, le=10)] = 0.2
     standby: Annotated[int, Field(ge=0, le=64)] = 0
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None  # its gateway endpoint (default: gateway.port + index)
 
 
 class Settings(Strict):
@@ -290,6 +292,7 @@ class Settings(Strict):
     rotation: Rotation = Rotation()
     models: dict[str, Profile]
     serve: list[Serve] = []
+    gateway: Gateway = Gateway()
 
     @field_validator("models")
     @classmethod
@@ -321,6 +324,13 @@ class Settings(Strict):
             if (target.model, target.region) in seen:
                 raise ValueError(f"serve.{i}: {target.model} in {target.region} is named twice")
             seen.add((target.model, target.region))
+        ports = [t.port or self.gateway.port + i for i, t in enumerate(self.serve)]  # each gateway endpoint's
+        for i, port in enumerate(ports):
+            if port in ports[:i] or port == self.gateway.metrics_port:
+                raise ValueError(f"serve.{i}.port: {port} is taken by another gateway endpoint or its metrics")
+        peers = [p.split("=", 1)[0] for p in self.gateway.peers]
+        if peers and self.gateway.peer_name not in peers:
+            raise ValueError("gateway.peer_name: name this instance among gateway.peers")
         return self
 
     def profile(self, name: str) -> Profile:

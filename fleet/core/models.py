@@ -146,6 +146,9 @@ class Host(SQLModel, table=True):
     lease_until: datetime | None = None
     # When the create request left (None: it never did, so a host cut short before it bought nothing).
     create_sent_at: datetime | None = None
+    # Its server in its target's gateway backend, the same in every gateway instance (one per open host of a
+    # model and region: a unique index holds it), kept while it drains
+    gateway_slot: int | None = None
 
 
 def host_age_s(host: Host) -> float:
@@ -260,3 +263,15 @@ class Install(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     install_id: str
+
+
+class AgentKey(SQLModel, table=True):
+    """A voice agent's key to the gateway: its SHA-256 alone is kept (the key is shown once, at `add`)."""
+
+    __tablename__ = "agent_keys"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True)
+    sha256: str = Field(unique=True)
+    created_at: datetime = Field(default_factory=utcnow)
+    revoked_at: datetime | None = None

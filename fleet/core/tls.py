@@ -142,3 +142,36 @@ def client_context(ca_path: Path) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_path))
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+def sign_server(ca: CertificateAuthority, names: list[str], days: int) -> tuple[bytes, bytes]:
+    """A key made here and its certificate for `names` (DNS names or IPs), valid `days`: what fleet's own
+    endpoints serve (the gateway), verified by an agent with fleet's CA file. (key PEM, certificate PEM)"""
+    key = ec.generate_private_key(ec.SECP256R1())
+    alt: list[x509.GeneralName] = []
+    for name in dict.fromkeys(names):
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            alt.append(x509.DNSName(name))
+    now = dt.datetime.now(dt.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
+        .sign(ca.key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return key_pem, certificate.public_bytes(serialization.Encoding.PEM)

@@ -40,3 +40,14 @@ def publish_endpoints(ctx: Context) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+async def publish(ctx: Context) -> None:
+    """The hosts a process serves changed: the endpoints file written, then each of the Context's listeners
+    told (the gateway of this machine). A listener that fails is recorded, never raised: the change is made."""
+    publish_endpoints(ctx)
+    for listener in ctx.on_hosts_changed:
+        try:
+            await listener(ctx)
+        except Exception as e:  # a gateway down must not undo a host's bring-up or destroy
+            ctx.record.event("error", "publish", json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))

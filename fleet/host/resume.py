@@ -12,7 +12,7 @@ from fleet.core.config import Profile
 from fleet.core.models import Host
 from fleet.host.attempts import AttemptReport, end_attempt
 from fleet.host.bringup import BringUp
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.host.phase import PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
 from fleet.market import MarketError
@@ -39,7 +39,7 @@ async def resume(ctx: Context, host: Host, profile: Profile, report: AttemptRepo
         await to_the_end(contained_fail(ctx, host, host.state, "interrupted", False))
         raise
     end_attempt(ctx, host, None, None)
-    publish_endpoints(ctx)
+    await publish(ctx)
     report.seconds = time.monotonic() - started
     ctx.reporter.info(host.name, f"READY from standby at {host.api_url} in {report.seconds:.1f}s")
     return True

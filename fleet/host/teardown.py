@@ -23,7 +23,7 @@ from fleet.core.models import Blacklist, Host, HostState, as_utc, utcnow
 from fleet.economics.bill import accrued_usd
 from fleet.engines.llama_server import requests_processing
 from fleet.host.attempts import end_attempt
-from fleet.host.endpoints import publish_endpoints
+from fleet.host.endpoints import publish
 from fleet.market import MarketError
 from fleet.probes.server import ReplyTooLarge, bounded
 
@@ -139,7 +139,7 @@ async def destroy_instance(
             await asyncio.sleep(1.0)
     now = utcnow()
     ctx.record.close(host, final_state, accrued_usd(host, now))
-    publish_endpoints(ctx)
+    await publish(ctx)
     ctx.record.event("answer", "destroy", json.dumps({"instance_id": host.instance_id, "gone": True}), host.id)
     ctx.reporter.info(host.name, f"instance {host.instance_id} destroyed; cost ${host.accrued_usd or 0:.4f}")
 

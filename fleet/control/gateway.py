@@ -1,0 +1,172 @@
+"""The gateway's verbs over a Context: start (HAProxy for every [[serve]] target, then the record applied),
+stop, keep (the daemon's beat: restart a wanted gateway that died, apply the record), status, agent keys.
+
+A gateway `start` made is wanted until `stop`: the daemon restarts it if HAProxy dies, and every change a
+fleet process on this machine makes to the hosts is applied at once (app.py hangs `apply` on the Context)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fleet.context import Context
+from fleet.core.errors import BadInput
+from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
+from fleet.gateway import process
+from fleet.gateway.files import GatewayFiles, files_for
+from fleet.gateway.runtime import Runtime
+from fleet.gateway.sync import SyncReport, sync
+from fleet.gateway.targets import Target, targets
+
+
+def _files(ctx: Context) -> GatewayFiles:
+    return files_for(ctx.settings)
+
+
+def _wanted(files: GatewayFiles) -> bool:
+    return (files.directory / "wanted").exists()
+
+
+def _targets(ctx: Context) -> list[Target]:
+    found = targets(ctx.settings)
+    if not found:
+        raise BadInput(
+            f"{ctx.settings.source}: no [[serve]] table: the gateway serves one endpoint per target (model, region)"
+        )
+    return found
+
+
+async def start(ctx: Context) -> dict[str, Any]:
+    files = _files(ctx)
+    found = _targets(ctx)
+    pid = await process.start(files, ctx.settings, found, ctx.ca)
+    (files.directory / "wanted").touch()
+    report = await sync(ctx, files, found)
+    _record(ctx, "start", {"pid": pid, "added": report.added})
+    return await status(ctx)
+
+
+async def stop(ctx: Context, grace_s: float = 0.0) -> int | None:
+    """Stop the gateway (it is no longer wanted); the PID it stopped, or None."""
+    files = _files(ctx)
+    (files.directory / "wanted").unlink(missing_ok=True)
+    pid = await process.stop(files, grace_s)
+    if pid is not None:
+        _record(ctx, "stop", {"pid": pid})
+    return pid
+
+
+async def apply(ctx: Context) -> SyncReport | None:
+    """The record applied to this machine's gateway, if one runs (after any change to the hosts)."""
+    files = _files(ctx)
+    if not ctx.settings.serve or process.running_pid(files) is None:
+        return None
+    report = await sync(ctx, files, targets(ctx.settings))
+    if report.changed:
+        _record(ctx, "sync", {"added": report.added, "removed": report.removed})
+    return report
+
+
+async def keep(ctx: Context) -> SyncReport | None:
+    """The daemon's beat: a wanted gateway whose HAProxy died is started again, then the record applied."""
+    files = _files(ctx)
+    if not _wanted(files) or not ctx.settings.serve:
+        return None
+    if process.running_pid(files) is None:
+        pid = await process.start(files, ctx.settings, targets(ctx.settings), ctx.ca)
+        _record(ctx, "restart", {"pid": pid})
+        ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
+    return await apply(ctx)
+
+
+def _record(ctx: Context, action: str, detail: dict[str, Any]) -> None:
+    ctx.record.event("gateway", action, json.dumps(detail))
+
+
+async def status(ctx: Context) -> dict[str, Any]:
+    """The gateway as it runs: each target's URL and hosts (slot, state, streams now, the limit), its counts
+    of new calls, turns and refusals (or overflows), and the agents' keys."""
+    files = _files(ctx)
+    pid = process.running_pid(files)
+    out: dict[str, Any] = {
+        "running": pid is not None,
+        "pid": pid,
+        "wanted": _wanted(files),
+        "directory": str(files.directory),
+        "ca_file": str(ctx.ca.certificate_path),
+        "agents": [k.name for k in agent_keys(ctx.record)],
+        "targets": [],
+    }
+    rows: list[dict[str, str]] = []
+    runtime = Runtime(files.socket)
+    if pid is not None:
+        rows = await runtime.stats()
+    listen = ctx.settings.gateway.listen
+    for target in targets(ctx.settings):
+        host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
+        entry: dict[str, Any] = {
+            "model": target.model,
+            "region": target.region,
+            "alias": target.alias,
+            "base_url": f"https://{host}:{target.port}/v1",
+            "hosts": [],
+            "calls": {},
+        }
+        for row in rows:
+            if row.get("pxname") == target.backend and row.get("svname", "").startswith("s"):
+                if row.get("status") == "MAINT":
+                    continue
+                entry["hosts"].append(_host_row(rows, target, row))
+        if pid is not None:
+            counts = await runtime.table(f"counts_t{target.index}")
+            entry["calls"] = {k: int(v.get("http_req_cnt", 0)) for k, v in counts.items()}
+            overflow = next(
+                (r for r in rows if r.get("pxname") == f"overflow_t{target.index}" and r.get("svname") == "BACKEND"),
+                None,
+            )
+            if overflow is not None:
+                entry["calls"]["overflowed"] = int(overflow.get("stot") or 0)
+        out["targets"].append(entry)
+    return out
+
+
+def _host_row(rows: list[dict[str, str]], target: Target, row: dict[str, str]) -> dict[str, Any]:
+    slot = int(row["svname"][1:])
+    section = target.slot_section(slot)
+    inside = next(
+        (r for r in rows if r.get("pxname") == section and r.get("svname") not in ("FRONTEND", "BACKEND")), None
+    )
+    return {
+        "slot": slot,
+        "host": (inside or {}).get("svname", "").rsplit(".", 1)[0],
+        "status": row.get("status"),
+        "streams": int(row.get("scur") or 0),
+        "limit": int(row.get("slim") or 0),
+        "served": int(row.get("stot") or 0),
+    }
+
+
+async def add_key(ctx: Context, name: str) -> str:
+    """A new agent key (returned once: the record keeps its hash), taken by this machine's gateway at once."""
+    key = add_agent_key(ctx.record, name)
+    await apply(ctx)
+    return key
+
+
+def list_keys(ctx: Context) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": k.name,
+            "created_at": k.created_at.isoformat(),
+            "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None,
+        }
+        for k in agent_keys(ctx.record, include_revoked=True)
+    ]
+
+
+async def revoke_key(ctx: Context, name: str) -> int:
+    revoked = revoke_agent_key(ctx.record, name)
+    if not revoked:
+        raise BadInput(f"no live key for agent {name!r} (`fleet gateway key list`)")
+    await apply(ctx)  # refused at once by this machine's gateway; another machine's at its daemon's next beat
+    return revoked

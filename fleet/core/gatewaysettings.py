@@ -1,0 +1,98 @@
+"""fleet.toml's [gateway]: the agents' one HTTPS endpoint per [[serve]] target (fleet/gateway/)."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from fleet.core.profiles import Strict
+
+# what an HAProxy peer name and a certificate's DNS name may be: nothing that could end a config line
+PEER_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}"
+DNS_NAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+ENV_NAME = r"[A-Z_][A-Z0-9_]{0,63}"
+
+
+def _address(v: str) -> str:
+    try:
+        return str(ipaddress.ip_address(v))
+    except ValueError:
+        raise ValueError(f"{v[:80]!r}: an IP address (the gateway binds it)") from None
+
+
+class Overflow(Strict):
+    """Where a new call goes when its target is full: an OpenAI-compatible API (the hosted one a team falls
+    back to). Empty url: no overflow, a new call on a full target gets 503 with Retry-After. The request goes
+    as the agent sent it (HAProxy does not rewrite a body): the provider must take the target's model name,
+    as a router in front of hosted models does."""
+
+    url: str = ""  # https://HOST[:PORT][/PREFIX]: /v1/chat/completions goes to PREFIX/chat/completions
+    key_env: Annotated[str, Field(pattern=f"^{ENV_NAME}$")] = "FLEET_OVERFLOW_KEY"
+    ca_file: str = ""  # the CA its certificate is checked against (empty: the system's)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and not re.fullmatch(r"https://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(:\d{1,5})?(/[A-Za-z0-9._~/-]*)?", v):
+            raise ValueError(
+                f"{v[:100]!r}: an https:// URL (host, port, path; no query): a call crosses in clear otherwise"
+            )
+        return v.rstrip("/")
+
+
+class Gateway(Strict):
+    directory: str = ""  # its configuration, socket and certificate (default: gateway/ in fleet's state directory)
+    listen: str = "127.0.0.1"  # the address the agents' endpoints bind (0.0.0.0: every interface)
+    port: Annotated[int, Field(ge=1, le=65535)] = 8443  # the first target's; a [[serve]] table's `port` wins
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9465  # HAProxy's Prometheus exporter, loopback (0: off)
+    # The endpoints' certificate and key (PEM files). Empty: fleet makes one, signed by its CA, for `names`.
+    certificate_file: str = ""
+    key_file: str = ""
+    names: list[str] = []  # DNS names or IPs the made certificate holds besides localhost and `listen`
+    max_body_kb: Annotated[int, Field(ge=1, le=240)] = 192  # a request body past this is refused (413)
+    slots: Annotated[int, Field(ge=1, le=256)] = 16  # hosts one target holds at once, draining ones included
+    check_every_s: Annotated[float, Field(ge=0.1, le=10)] = 1.0  # the health check of every host
+    sync_every_s: Annotated[float, Field(ge=0.5, le=60)] = 2.0  # fleet daemon applies the record this often
+    queue_timeout_s: Annotated[float, Field(ge=0.1, le=60)] = 5.0  # a turn waiting for its host's free slot
+    retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1  # what a refused new call is told
+    # Several gateway instances share which host holds each call: every instance's name=ADDRESS:PORT, this one's
+    # among them as `peer_name` (their stick tables travel over TLS with fleet's certificates)
+    peers: list[str] = []
+    peer_name: str = ""
+    overflow: Overflow = Overflow()
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return _address(v)
+
+    @field_validator("names")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            try:
+                ipaddress.ip_address(name)
+            except ValueError:
+                if not re.fullmatch(DNS_NAME, name):
+                    raise ValueError(f"{name[:80]!r}: a DNS name or an IP address") from None
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for peer in v:
+            m = re.fullmatch(f"({PEER_NAME})=([0-9a-fA-F.:]+):(\\d{{1,5}})", peer)
+            if not m:
+                raise ValueError(f"{peer[:80]!r}: NAME=ADDRESS:PORT")
+            _address(m.group(2))
+        return v
+
+    @field_validator("peer_name")
+    @classmethod
+    def _peer_name(cls, v: str) -> str:
+        if v and not re.fullmatch(PEER_NAME, v):
+            raise ValueError(f"{v[:80]!r}: letters, digits, _ . - (at most 63)")
+        return v

@@ -1,0 +1,131 @@
+"""Where a gateway instance keeps its files (one folder, private): HAProxy's configuration, pid file and
+admin socket, the endpoints' certificate, the maps it reads keys from, the /v1/models answers."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from cryptography import x509
+
+from fleet.core import paths
+from fleet.core.config import ConfigError, Settings
+from fleet.core.files import write_public
+from fleet.core.tls import CertificateAuthority, sign_server
+
+CERTIFICATE_DAYS = 90
+RENEW_WITHIN = dt.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class GatewayFiles:
+    directory: Path
+
+    @property
+    def config(self) -> Path:
+        return self.directory / "haproxy.cfg"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.directory / "haproxy.pid"
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "admin.sock"
+
+    @property
+    def pem(self) -> Path:
+        return self.directory / "endpoint.pem"  # certificate chain and key, as HAProxy reads them
+
+    @property
+    def agent_map(self) -> Path:
+        return self.directory / "agent-keys.map"  # sha256 of a key -> the agent's name
+
+    @property
+    def host_map(self) -> Path:
+        return self.directory / "host-keys.map"  # empty on disk: the hosts' keys live in HAProxy's memory
+
+    @property
+    def lua(self) -> Path:
+        return self.directory / "admission.lua"
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "haproxy.log"
+
+    def models(self, index: int) -> Path:
+        return self.directory / f"models-t{index}.json"
+
+    @property
+    def tag(self) -> str:
+        """Tells this instance's internal sockets apart from another's on the same machine."""
+        return hashlib.sha256(str(self.directory.resolve()).encode()).hexdigest()[:10]
+
+
+def files_for(settings: Settings) -> GatewayFiles:
+    directory = settings.gateway.directory
+    return GatewayFiles(Path(os.path.expanduser(directory)) if directory else paths.state_dir() / "gateway")
+
+
+def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -> None:
+    """The folder, its certificate (the user's, or one fleet's CA signs), the Lua, the maps' empty files."""
+    files.directory.mkdir(parents=True, exist_ok=True)
+    files.directory.chmod(0o700)
+    write_public(files.lua, resources.files("fleet.gateway").joinpath("admission.lua").read_bytes())
+    for map_file in (files.agent_map, files.host_map):
+        write_public(map_file, b"")
+    _certificate(files, settings, ca)
+
+
+def endpoint_names(settings: Settings) -> list[str]:
+    listen = settings.gateway.listen
+    unspecified = listen in ("0.0.0.0", "::")
+    return ["localhost", "127.0.0.1", *([] if unspecified else [listen]), *settings.gateway.names]
+
+
+def _certificate(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -> None:
+    g = settings.gateway
+    if g.certificate_file or g.key_file:
+        if not (g.certificate_file and g.key_file):
+            raise ConfigError(f"{settings.source}: gateway.certificate_file and gateway.key_file go together")
+        try:
+            chain = Path(os.path.expanduser(g.certificate_file)).read_bytes()
+            key = Path(os.path.expanduser(g.key_file)).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{settings.source}: gateway certificate: {e.filename}: {e.strerror}") from None
+        _write_pem(files.pem, chain, key)
+        return
+    names = endpoint_names(settings)
+    if _still_good(files.pem, names, ca):
+        return
+    key, certificate = sign_server(ca, names, CERTIFICATE_DAYS)
+    _write_pem(files.pem, certificate, key)
+
+
+def _write_pem(path: Path, chain: bytes, key: bytes) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(chain.rstrip(b"\n") + b"\n" + key)
+    os.replace(partial, path)
+
+
+def _still_good(pem: Path, names: list[str], ca: CertificateAuthority) -> bool:
+    try:
+        certificate = x509.load_pem_x509_certificate(pem.read_bytes())
+    except (OSError, ValueError):
+        return False
+    if certificate.issuer != ca.certificate.subject:
+        return False
+    if certificate.not_valid_after_utc - dt.datetime.now(dt.UTC) < RENEW_WITHIN:
+        return False
+    try:
+        alt = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    held = {str(v) for v in alt.get_values_for_type(x509.IPAddress)} | set(alt.get_values_for_type(x509.DNSName))
+    return set(names) <= held

@@ -1,0 +1,182 @@
+"""HAProxy's configuration for a gateway instance, rendered once at its start: the hosts come and go at
+run time (sync.py), never by a reload.
+
+Per [[serve]] target:
+  frontend agents_tN    the agents' HTTPS endpoint: /v1/models answered here, /v1/chat/completions checked
+                        (agent key, body), named (X-Session-Id, else the body's user or prompt_cache_key)
+                        and admitted (admission.lua): a turn of a call goes on, a new call needs a free place
+  backend calls_tN      one server per slot, each the internal door of one host_tN_S section: least
+                        connections, a stick table from call to server (shared with peers), a retry before
+                        the first byte on another server, a health check through the door every second
+  listen host_tN_S      one host: its key set on the request (from a map that lives in HAProxy's memory
+                        alone), TLS to it verified against fleet's CA and its name, connections kept warm
+  backend overflow_tN   the hosted API a full target's new calls go to, if one is configured
+A request HAProxy answers itself (refused, /v1/models) never touches a host.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlsplit
+
+from fleet.core.config import Settings
+from fleet.gateway.files import GatewayFiles
+from fleet.gateway.targets import Target
+
+BUFFER_BYTES = 262_144  # a request body is read whole before a host is chosen: the largest one allowed fits
+STICK_ENTRIES = 200_000
+
+
+def _error(status: int, kind: str, message: str) -> str:
+    """An OpenAI-shaped error body, as a config string (no quote or backslash ever goes in `message`)."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}, separators=(",", ":"))
+    return f"status {status} content-type application/json string '{body}'"
+
+
+def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_file: str) -> str:
+    g = settings.gateway
+    lines = [
+        "global",
+        f"  stats socket {files.socket} mode 600 level admin",
+        f"  lua-load {files.lua}",
+        f"  tune.bufsize {BUFFER_BYTES}",
+        "  ssl-server-verify required",
+        *([f"  localpeer {g.peer_name}"] if g.peers else []),
+        "",
+        "defaults",
+        "  mode http",
+        "  timeout connect 3s",
+        "  timeout client 120s",
+        "  timeout http-request 10s",
+        "  timeout http-keep-alive 120s",
+        "  timeout server 120s",
+        f"  timeout queue {int(g.queue_timeout_s * 1000)}ms",
+        "  timeout check 2s",
+        "",
+        # the CA every host's certificate is checked against, loaded at start for the servers added later
+        "backend fleet_ca",
+        f"  server ca 127.0.0.1:1 disabled ssl verify required ca-file {ca_file}",
+        "",
+    ]
+    if g.peers:
+        lines += _peers(settings, files, ca_file)
+    if g.metrics_port:
+        lines += [
+            "frontend metrics",
+            f"  bind 127.0.0.1:{g.metrics_port}",
+            "  http-request use-service prometheus-exporter if { path /metrics }",
+            "  http-request return status 404",
+            "",
+        ]
+    for target in targets:
+        lines += _frontend(settings, target, files)
+        lines += _backend(settings, target, files)
+        if g.overflow.url:
+            lines += _overflow(settings, target)
+    return "\n".join(lines) + "\n"
+
+
+def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[str]:
+    g = settings.gateway
+    limit = g.max_body_kb * 1024
+    t = f"t{target.index}"
+    full = "{ var(txn.admit) -m str full }"
+    return [
+        f"frontend agents_{t}",
+        f"  bind {g.listen}:{target.port} ssl crt {files.pem} alpn h2,http/1.1",
+        "  option http-buffer-request",
+        f"  http-request return {_error(404, 'not_found', 'only /v1/chat/completions and /v1/models are served')}"
+        " unless { path /v1/chat/completions /v1/models }",
+        '  http-request set-var(txn.agent) req.hdr(authorization),regsub("^Bearer ",""),sha2(256),hex,lower,'
+        f"map({files.agent_map})",
+        f"  http-request return {_error(401, 'invalid_request_error', 'no valid agent key')}"
+        " if !{ var(txn.agent) -m found }",
+        f"  http-request return status 200 content-type application/json file {files.models(target.index)}"
+        " if { path /v1/models } METH_GET",
+        f"  http-request return {_error(405, 'invalid_request_error', 'GET /v1/models, POST /v1/chat/completions')}"
+        " if { path /v1/models } || !METH_POST",
+        f"  http-request return {_error(413, 'invalid_request_error', 'the request body is too large')}"
+        f" if {{ req.hdr_val(content-length) gt {limit} }} || {{ req.body_size gt {limit} }}",
+        f"  http-request return {_error(400, 'invalid_request_error', 'the body is not a chat request in JSON')}"
+        " unless { req.body,json_query('$.messages[0].role') -m found }",
+        "  http-request set-var(txn.call) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
+        "  http-request set-var(txn.call) req.body,json_query('$.user') if !{ var(txn.call) -m found }",
+        "  http-request set-var(txn.call) req.body,json_query('$.prompt_cache_key') if !{ var(txn.call) -m found }",
+        f"  http-request set-var(txn.admit) lua.fleet_admit({target.backend})",
+        f"  http-request track-sc1 var(txn.admit) table counts_{t}",
+        *(
+            [f"  use_backend overflow_{t} if {full}"]
+            if g.overflow.url
+            else [
+                f"  http-request return {_error(503, 'overloaded', 'every host of this target is full')}"
+                f" hdr Retry-After {g.retry_after_s} if {full}"
+            ]
+        ),
+        f"  default_backend {target.backend}",
+        "",
+        f"backend counts_{t}",  # how many requests were new calls, turns, and full: fleet gateway status reads it
+        "  stick-table type string len 8 size 8 store http_req_cnt",
+        "",
+    ]
+
+
+def _backend(settings: Settings, target: Target, files: GatewayFiles) -> list[str]:
+    g = settings.gateway
+    t = f"t{target.index}"
+    check = f"check inter {int(g.check_every_s * 1000)}ms fall 2 rise 2"
+    lines = [
+        f"backend {target.backend}",
+        "  balance leastconn",
+        f"  stick-table type string len 128 size {STICK_ENTRIES} expire 1h{' peers fleet' if g.peers else ''}",
+        "  stick on var(txn.call)",
+        "  option redispatch 1",
+        "  retries 1",
+        "  retry-on conn-failure empty-response 502 503",
+        "  option httpchk GET /health",
+        "  http-check expect status 200",
+        "  http-request del-header authorization",  # the agent's key stays here; a host gets its own
+        *(f"  server s{slot} abns@fleet-{files.tag}-{t}-{slot} disabled maxconn 1 {check}" for slot in range(g.slots)),
+        "",
+    ]
+    for slot in range(g.slots):
+        lines += [
+            f"listen {target.slot_section(slot)}",
+            f"  bind abns@fleet-{files.tag}-{t}-{slot}",
+            "  balance first",
+            "  http-reuse always",
+            f'  http-request set-header authorization "Bearer %[fe_name,map({files.host_map})]"',
+            "",
+        ]
+    return lines
+
+
+def _overflow(settings: Settings, target: Target) -> list[str]:
+    o = settings.gateway.overflow
+    url = urlsplit(o.url)
+    host = url.hostname or ""
+    port = url.port or 443
+    address = f"[{host}]" if ":" in host else host
+    ca = o.ca_file or "@system-ca"
+    lines = [
+        f"backend overflow_t{target.index}",
+        f'  http-request set-header authorization "Bearer ${{{o.key_env}}}"',
+        f"  http-request set-header host {host}",
+        f"  http-request set-path {url.path}/chat/completions",
+        f"  server overflow {address}:{port} ssl verify required ca-file {ca} sni str({host}) verifyhost {host}",
+        "",
+    ]
+    return lines
+
+
+def _peers(settings: Settings, files: GatewayFiles, ca_file: str) -> list[str]:
+    g = settings.gateway
+    lines = ["peers fleet"]
+    for peer in g.peers:
+        name, address = peer.split("=", 1)
+        if name == g.peer_name:
+            lines.append(f"  bind {address} ssl crt {files.pem} ca-file {ca_file} verify required")
+    lines.append(f"  default-server ssl verify required ca-file {ca_file} crt {files.pem}")
+    for peer in g.peers:
+        name, address = peer.split("=", 1)
+        lines.append(f"  server {name}" if name == g.peer_name else f"  server {name} {address}")
+    return [*lines, ""]

@@ -1,0 +1,120 @@
+"""The HAProxy process of a gateway instance: started by fleet with the configuration it rendered, known
+by its pid file (and its command line, which names that configuration), stopped by that PID alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from fleet.core.config import Settings
+from fleet.core.errors import BadInput, FleetError
+from fleet.core.files import write_public
+from fleet.core.tls import CertificateAuthority
+from fleet.gateway.files import GatewayFiles, prepare
+from fleet.gateway.haproxy import render
+from fleet.gateway.targets import Target
+
+START_TIMEOUT_S = 10.0
+
+
+class GatewayError(FleetError):
+    """HAProxy would not start, or would not stop."""
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.access(p, os.X_OK)), None)
+    if found is None:
+        raise GatewayError("HAProxy is not installed (Debian's haproxy package: scripts/setup installs it)")
+    return found
+
+
+def running_pid(files: GatewayFiles) -> int | None:
+    """The PID of this instance's HAProxy, if it runs: the pid file's, and only while that process's
+    command line names this instance's configuration (a PID is reused once its process is gone)."""
+    try:
+        pid = int(files.pidfile.read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if str(files.config).encode() in cmdline else None
+
+
+def write_configuration(
+    files: GatewayFiles, settings: Settings, targets: list[Target], ca: CertificateAuthority
+) -> None:
+    prepare(files, settings, ca)
+    for target in targets:
+        models = {
+            "object": "list",
+            "data": [{"id": target.alias, "object": "model", "created": 0, "owned_by": "fleet"}],
+        }
+        write_public(files.models(target.index), json.dumps(models).encode())
+    write_public(files.config, render(settings, targets, files, str(ca.certificate_path)).encode())
+
+
+async def start(files: GatewayFiles, settings: Settings, targets: list[Target], ca: CertificateAuthority) -> int:
+    """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers."""
+    pid = running_pid(files)
+    if pid is not None:
+        return pid
+    binary = haproxy_binary()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    overflow = settings.gateway.overflow
+    if overflow.url:
+        key = os.environ.get(overflow.key_env)
+        if not key:
+            raise BadInput(f"gateway.overflow: set {overflow.key_env} to the overflow provider's key")
+        env[overflow.key_env] = key  # HAProxy's environment alone holds it: not its config file, not its argv
+    write_configuration(files, settings, targets, ca)
+    files.socket.unlink(missing_ok=True)
+    process = await asyncio.create_subprocess_exec(
+        binary, "-D", "-q", "-p", str(files.pidfile), "-f", str(files.config),
+        env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    output, _ = await process.communicate()
+    if process.returncode != 0:
+        alerts = [line for line in output.decode(errors="replace").splitlines() if "ALERT" in line]
+        raise GatewayError(f"HAProxy did not start: {(alerts or ['exit status ' + str(process.returncode)])[0][:300]}")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pid = running_pid(files)
+        if pid is not None and files.socket.exists():
+            return pid
+        await asyncio.sleep(0.05)
+    raise GatewayError(f"HAProxy started but its admin socket {files.socket} did not appear in {START_TIMEOUT_S:g}s")
+
+
+async def stop(files: GatewayFiles, grace_s: float = 0.0) -> int | None:
+    """Stop this instance's HAProxy: a soft stop first (the calls in flight finish) for `grace_s`, then a hard
+    one. The PID it stopped, or None when none ran."""
+    pid = running_pid(files)
+    if pid is None:
+        return None
+    os.kill(pid, signal.SIGUSR1 if grace_s > 0 else signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while running_pid(files) == pid and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if running_pid(files) == pid:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise GatewayError(f"HAProxy (pid {pid}) did not stop within {START_TIMEOUT_S:g}s of SIGTERM")
+        await asyncio.sleep(0.05)
+    files.pidfile.unlink(missing_ok=True)
+    files.socket.unlink(missing_ok=True)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
