@@ -71,9 +71,21 @@ def with_variant(
     return settings.model_copy(update={"models": {**settings.models, name: variant}})
 
 
+SHIPPED_SERVE = '[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 0\n'
+
+
+def without_shipped_serve(text: str) -> str:
+    """fleet.toml's text without its [[serve]] table (the demo's tiny target in the EU)."""
+    assert SHIPPED_SERVE in text
+    return text.replace(SHIPPED_SERVE, "", 1)
+
+
 def write_config(tmp: Path, extra: str = "") -> Path:
-    """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read."""
+    """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read. Extra
+    [[serve]] tables replace the shipped one."""
     text = (ROOT / "fleet.toml").read_text()
+    if "[[serve]]" in extra:
+        text = without_shipped_serve(text)
     text = text.replace("[database]\n", f'[database]\npath = "{tmp}/fleet.db"\n', 1)
     text = text.replace("[rotation]\n", f'[rotation]\nendpoints_file = "{tmp}/endpoints.json"\n', 1)
     assert f"{tmp}/endpoints.json" in text and f"{tmp}/fleet.db" in text

@@ -12,7 +12,7 @@ import time
 import httpx
 
 from fleet.localcloud.network import free_port
-from tests.fleetkit import write_config
+from tests.fleetkit import without_shipped_serve, write_config
 from tests.helpers import kill_llama_server
 
 FAST = "\n".join(
@@ -32,6 +32,8 @@ FAST = "\n".join(
 def daemon_config(cloud, tmp_path, extra: str = "") -> dict[str, str]:
     """The repo's fleet.toml with a fast [rotation] (and `extra`), and the env a daemon and commands run with."""
     text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
+    if "[[serve]]" in extra:
+        text = without_shipped_serve(text)
     # the repo's [rotation] table is replaced by the fast one
     text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
     text += f'endpoints_file = "{tmp_path}/endpoints.json"\n' + extra

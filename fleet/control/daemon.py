@@ -11,6 +11,7 @@ one host at once. SIGTERM
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -32,7 +33,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlmodel import col, select
 
 from fleet.context import Context, open_context
-from fleet.control import rotation
+from fleet.control import gateway, rotation
 from fleet.control import sizing as sizing_mod
 from fleet.control.account import check_credit
 from fleet.control.reconcile import reconcile
@@ -104,12 +105,28 @@ async def _run(
     runs it; the others skip it."""
     settings = config.load(config_path)
     async with open_context(settings, LogReporter()) as ctx:
+        ctx.on_hosts_changed.append(gateway.apply)  # this machine's gateway follows what the job changes
         holder = ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID)
         if holder is not None:
             where = "here (a late run of the same tick)" if holder == DAEMON_ID else f"on daemon {holder}"
             log.info("%s: this tick already ran %s; skipped", job, where)
             return
         await work(ctx)
+
+
+async def _keep_gateway(settings: config.Settings, stop: asyncio.Event) -> None:
+    """This machine's gateway, on its own beat (not a claimed tick: every machine keeps its own): started
+    again if its HAProxy died, and the record applied (hosts another machine's daemon changed, keys)."""
+    async with open_context(settings, LogReporter()) as ctx:
+        while not stop.is_set():
+            try:
+                report = await gateway.keep(ctx)
+                if report is not None and report.changed:
+                    log.info("gateway: added %s; removed %s", report.added or "none", report.removed or "none")
+            except (FleetError, OSError) as e:
+                log.warning("gateway: %s", e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.gateway.sync_every_s)
 
 
 def _replaced(report: rotation.HealthReport) -> str:
@@ -267,6 +284,7 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         scheduler.start()
+        keeper = asyncio.create_task(_keep_gateway(settings, stop), name="gateway") if settings.serve else None
         log.info(
             "daemon started (pid %d): health every %gs, reconcile every %gs, reprice at '%s' UTC",
             os.getpid(),
@@ -277,6 +295,8 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
         await stop.wait()
         log.info("daemon stopping: letting the job in flight finish")
         scheduler.pause()  # no new run; APScheduler's shutdown would cancel the runs in flight, so wait first
+        if keeper is not None:
+            await keeper
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if pending:
             await asyncio.wait(pending, timeout=settings.rotation.drain_timeout_s + 60)

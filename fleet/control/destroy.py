@@ -1,11 +1,13 @@
 """`fleet destroy`: the named hosts (or every host whose bill is open) destroyed and confirmed gone, each
-bill closed; a host another live process works on is left to it and reported."""
+bill closed; a host another live process works on is left to it and reported. `--all` also stops this
+machine's gateway: nothing is left serving, no port open."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from fleet.context import Context
+from fleet.control import gateway
 from fleet.core.models import Host
 from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_host
@@ -15,6 +17,7 @@ from fleet.host.teardown import destroy_host
 class DestroyReport:
     done: list[Host] = field(default_factory=list)
     busy: list[Host] = field(default_factory=list)  # owned by another live process: left alone
+    gateway_stopped: int | None = None  # the PID of the gateway's HAProxy `--all` stopped
 
 
 async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
@@ -31,6 +34,8 @@ async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
     for host in targets:
         (report.done if await destroy_host(ctx, host) else report.busy).append(host)
     await publish(ctx)
+    if names is None:
+        report.gateway_stopped = await gateway.stop(ctx)
     return report
 
 
