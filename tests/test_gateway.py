@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +20,18 @@ import httpx
 import pytest
 
 from fleet.app import Fleet
+from fleet.context import tls_dir
 from fleet.control import gateway
 from fleet.control.up import UpRequest
 from fleet.core import config
 from fleet.core.config import Serve
 from fleet.core.models import HostState
+from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
 from fleet.gateway.files import files_for
 from fleet.gateway.runtime import Runtime
 from tests.fleetkit import fleet_for, settings_for, write_config
+from tests.helpers import kill_llama_server, processes_mentioning
 
 CHAT = "/v1/chat/completions"
 
@@ -35,6 +40,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """The process lives (a zombie nobody reaped yet does not: it holds no port and runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def port_open(port: int) -> bool:
@@ -235,8 +248,12 @@ async def test_a_revoked_key_is_refused_at_once(gw, module_dir):
 
 
 def cli_env(fleet: Fleet, module_dir: Path) -> dict[str, str]:
+    return cli_env_for(fleet.settings, module_dir)
+
+
+def cli_env_for(settings: config.Settings, module_dir: Path) -> dict[str, str]:
     """The environment a `fleet` command runs with against this test's record and gateway."""
-    g = fleet.settings.gateway
+    g = settings.gateway
     path = write_config(module_dir)
     text = path.read_text().replace("[gateway]\n", f'[gateway]\ndirectory = "{g.directory}"\n', 1)
     text = text.replace("\nport = 8443\n", f"\nport = {g.port}\n", 1).replace(
@@ -246,3 +263,224 @@ def cli_env(fleet: Fleet, module_dir: Path) -> dict[str, str]:
     path = module_dir / f"fleet-{Path(g.directory).name}.toml"
     path.write_text(text)
     return {**os.environ, "FLEET_CONFIG": str(path)}
+
+
+def slow_down(cloud, fleet: Fleet, share: float = 0.95) -> None:
+    """Every host of the record decodes slowly from now (stopped `share` of each 100 ms): a stream lasts."""
+    rows = cloud.state()["instances"]
+    sag = {}
+    for host in fleet.record.hosts(states=(HostState.READY,)):
+        row = rows[str(host.instance_id)]
+        started = time.time() - row["running_at"]
+        sag[str(row["offer"]["machine_id"])] = {"start_after_s": started, "ramp_s": 0.01, "max_stop_share": share}
+    cloud.set_faults({"decode_sag": sag})
+
+
+class Stream:
+    """A streamed call held open: its first content in, the rest read in the background."""
+
+    def __init__(self, c: httpx.AsyncClient, call: str, max_tokens: int = 1200) -> None:
+        self.c, self.call, self.max_tokens = c, call, max_tokens
+        self.first = asyncio.Event()
+        self.done = False
+        self.finished_with_done = False
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        body = turn(f"{self.call}: a long answer please", self.max_tokens, stream=True)
+        try:
+            async with self.c.stream("POST", CHAT, json=body, headers={"X-Session-Id": self.call}) as reply:
+                assert reply.status_code == 200, await reply.aread()
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: "):
+                        self.first.set()
+                        self.finished_with_done = line == "data: [DONE]"
+        finally:
+            self.done = True
+            self.first.set()
+
+
+@pytest.fixture
+def overflow_server(cloud, module_dir: Path, llama_server: Path, two_hosts) -> Iterator[tuple[str, str]]:
+    """A second llama-server, alone, standing for the hosted API a full target overflows to: HTTPS with a
+    certificate fleet's CA signed for localhost, its own key. (URL, key); ended by its PID."""
+    # the module's fleet made its CA already (the name is not used then): the gateway checks the overflow with it
+    ca = ensure_ca(tls_dir(settings_for(module_dir)), "fleet CA")
+    key_pem, cert_pem = sign_server(ca, ["localhost"], 1)
+    folder = module_dir / "overflow"
+    folder.mkdir(exist_ok=True)
+    (folder / "key.pem").write_bytes(key_pem)
+    (folder / "cert.pem").write_bytes(cert_pem)
+    (folder / "keys").write_text("overflow-secret-key\n")
+    model = next(Path(cloud.info.state_dir).rglob("tiny-llama-bytes.gguf"))
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(llama_server), "-m", str(model), "-c", "4096", "-np", "4", "-t", "1", "--host", "127.0.0.1",
+         "--port", str(port), "--api-key-file", str(folder / "keys"),
+         "--ssl-key-file", str(folder / "key.pem"), "--ssl-cert-file", str(folder / "cert.pem")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not port_open(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "the overflow llama-server did not start"
+            time.sleep(0.1)
+        yield f"https://localhost:{port}/v1", "overflow-secret-key"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def test_a_full_target_overflows_new_calls_and_refuses_them_at_once_without_overflow(
+    cloud, two_hosts, module_dir, overflow_server, monkeypatch
+):
+    url, overflow_key = overflow_server
+    monkeypatch.setenv("FLEET_TEST_OVERFLOW_KEY", overflow_key)
+    base = gateway_settings(module_dir, "admission")
+    ca = tls_dir(base) / "ca.pem"
+    with_overflow = base.model_copy(
+        update={
+            "gateway": base.gateway.model_copy(
+                update={
+                    "queue_timeout_s": 60,
+                    "overflow": base.gateway.overflow.model_copy(
+                        update={"url": url, "key_env": "FLEET_TEST_OVERFLOW_KEY", "ca_file": str(ca)}
+                    ),
+                }
+            )
+        }
+    )
+    async with fleet_for(with_overflow) as fleet:
+        try:
+            await gateway.start(fleet)
+            key = await gateway.add_key(fleet, "erin")
+            await wait_hosts_up(fleet)
+            slow_down(cloud, fleet)
+            async with client(fleet, key, timeout=120) as c:
+                held = [Stream(c, "held-1"), Stream(c, "held-2")]
+                await asyncio.gather(*(s.first.wait() for s in held))
+                assert not any(s.done for s in held)
+                # two one-slot hosts, each streaming a call: a third call is new and the target is full
+                third = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "third"})
+                assert third.status_code == 200, third.text
+                # ... and it went to the overflow, not to a host: the host's calls are still streaming
+                assert not any(s.done for s in held)
+                status = await gateway.status(fleet)
+                assert status["targets"][0]["calls"].get("overflowed") == 1
+                assert status["targets"][0]["calls"].get("full") == 1
+                # a turn of a call in progress is never refused: it waits for its own host
+                turn_two = await c.post(CHAT, json=turn("held-1 again", 4), headers={"X-Session-Id": "held-1"})
+                assert turn_two.status_code == 200
+                assert (await gateway.status(fleet))["targets"][0]["calls"].get("overflowed") == 1
+                cloud.set_faults({})
+                await asyncio.gather(*(s.task for s in held))
+        finally:
+            cloud.set_faults({})
+            await gateway.stop(fleet)
+
+    # the same target with no overflow: a new call on a full target gets 503 and Retry-After, not a queue
+    async with fleet_for(base) as fleet:
+        try:
+            await gateway.start(fleet)
+            key = await gateway.add_key(fleet, "frank")
+            await wait_hosts_up(fleet)
+            slow_down(cloud, fleet)
+            async with client(fleet, key, timeout=120) as c:
+                held = [Stream(c, "held-3"), Stream(c, "held-4")]
+                await asyncio.gather(*(s.first.wait() for s in held))
+                refused = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "fourth"})
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["type"] == "overloaded"
+                assert not any(s.done for s in held)  # answered while the hosts were still busy: no queue
+                cloud.set_faults({})
+                await asyncio.gather(*(s.task for s in held))
+                assert all(s.finished_with_done for s in held)
+        finally:
+            cloud.set_faults({})
+            await gateway.stop(fleet)
+
+
+async def test_haproxy_killed_is_started_again_by_fleet_with_its_keys_and_hosts(gw):
+    key = await gateway.add_key(gw, "grace")
+    await wait_hosts_up(gw)
+    files = files_for(gw.settings)
+    first = process.running_pid(files)
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    for _ in range(100):
+        if process.running_pid(files) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert process.running_pid(files) is None
+    async with client(gw, key) as c:
+        with pytest.raises(httpx.ConnectError):
+            await c.post(CHAT, json=turn("hi"))
+    report = await gateway.keep(gw)  # what fleet daemon does on its beat
+    second = process.running_pid(files)
+    assert second is not None and second != first and report is not None and len(report.added) == 2
+    await wait_hosts_up(gw)
+    async with client(gw, key) as c:  # the same key, from the record: nothing was lost
+        assert (await c.post(CHAT, json=turn("hi again"))).status_code == 200
+
+
+async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):
+    key = await gateway.add_key(gw, "heidi")
+    await wait_hosts_up(gw)
+    runtime = Runtime(files_for(gw.settings).socket)
+    async with client(gw, key) as c:
+        assert (await c.post(CHAT, json=turn("first turn"), headers={"X-Session-Id": "pinned"})).status_code == 200
+        pinned = (await runtime.table("calls_t0"))["pinned"]["server_key"]
+        slot = int(pinned[1:])
+        host = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
+        await kill_llama_server(host.ssh_host, host.ssh_port, module_dir / "ssh" / "id_ed25519")
+        # at once, before any health check could see it: the turn is retried on the other host
+        second = await c.post(CHAT, json=turn("second turn"), headers={"X-Session-Id": "pinned"})
+        assert second.status_code == 200, second.text
+        assert (await runtime.table("calls_t0"))["pinned"]["server_key"] != pinned
+        # and a new call is never placed on the dead host
+        for i in range(5):
+            assert (await c.post(CHAT, json=turn("new"), headers={"X-Session-Id": f"after-{i}"})).status_code == 200
+        table = await runtime.table("calls_t0")
+        assert all(table[f"after-{i}"]["server_key"] != pinned for i in range(5))
+
+
+async def test_a_host_that_dies_mid_stream_ends_the_stream_with_an_error_the_client_sees(cloud, gw, module_dir):
+    key = await gateway.add_key(gw, "ivan")
+    live = [h for h in gw.record.hosts(states=(HostState.READY,))]
+    await wait_hosts_up(gw, count=1)
+    slow_down(cloud, gw)
+    try:
+        async with client(gw, key, timeout=60) as c:
+            stream = Stream(c, "dying")
+            await stream.first.wait()
+            slot = int((await Runtime(files_for(gw.settings).socket).table("calls_t0"))["dying"]["server_key"][1:])
+            host = next(h for h in live if h.gateway_slot == slot)
+            await kill_llama_server(host.ssh_host, host.ssh_port, module_dir / "ssh" / "id_ed25519")
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await stream.task
+            assert not stream.finished_with_done  # ended with an error, never replayed as if whole
+    finally:
+        cloud.set_faults({})
+
+
+def test_destroy_all_and_gateway_stop_leave_no_haproxy_and_no_open_port(cloud, two_hosts, module_dir):
+    settings = gateway_settings(module_dir, "last")
+    env = {**cli_env_for(settings, module_dir), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}
+    fleet_cli = [".venv/bin/fleet"]
+    started = subprocess.run([*fleet_cli, "gateway", "start", "--json"], env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stdout
+    pid = json.loads(started.stdout)["pid"]
+    port = settings.gateway.port
+    assert port_open(port)
+    stopped = subprocess.run([*fleet_cli, "gateway", "stop", "--json"], env=env, capture_output=True, text=True)
+    assert json.loads(stopped.stdout) == {"stopped": pid} and not port_open(port)
+    assert not running(pid) and processes_mentioning(Path(settings.gateway.directory)) == []
+    # started again, then every host destroyed: the gateway goes with them
+    started = subprocess.run([*fleet_cli, "gateway", "start", "--json"], env=env, capture_output=True, text=True)
+    pid = json.loads(started.stdout)["pid"]
+    destroyed = subprocess.run(
+        [*fleet_cli, "destroy", "--all", "--yes", "--json"], env=env, capture_output=True, text=True
+    )
+    assert destroyed.returncode == 0, destroyed.stderr
+    assert not port_open(port) and not running(pid)
+    assert processes_mentioning(Path(settings.gateway.directory)) == []

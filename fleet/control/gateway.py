@@ -39,9 +39,15 @@ def _targets(ctx: Context) -> list[Target]:
 async def start(ctx: Context) -> dict[str, Any]:
     files = _files(ctx)
     found = _targets(ctx)
+    running = process.running_pid(files)
     pid = await process.start(files, ctx.settings, found, ctx.ca)
+    try:
+        report = await sync(ctx, files, found)
+    except BaseException:
+        if running is None:  # what this call started does not outlive its failure
+            await process.stop(files)
+        raise
     (files.directory / "wanted").touch()
-    report = await sync(ctx, files, found)
     _record(ctx, "start", {"pid": pid, "added": report.added})
     return await status(ctx)
 

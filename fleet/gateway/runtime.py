@@ -38,7 +38,7 @@ def checked(*arguments: str) -> str:
     """One command line from parts each of which is a plain word: nothing a record or a host said can add a
     command (`;`), a line, or a space to what HAProxy runs."""
     for a in arguments:
-        if not SAFE_ARGUMENT.fullmatch(a) or a.startswith("-"):
+        if not SAFE_ARGUMENT.fullmatch(a):
             raise RuntimeApiError(f"refused to send {a[:40]!r} to HAProxy: not a plain word")
     return " ".join(arguments)
 
