@@ -423,6 +423,36 @@ async def test_haproxy_killed_is_started_again_by_fleet_with_its_keys_and_hosts(
         assert (await c.post(CHAT, json=turn("hi again"))).status_code == 200
 
 
+async def test_a_draining_host_keeps_its_calls_and_takes_no_new_one(gw):
+    key = await gateway.add_key(gw, "judy")
+    await wait_hosts_up(gw)
+    runtime = Runtime(files_for(gw.settings).socket)
+    async with client(gw, key) as c:
+        for call in ("stays-a", "stays-b"):
+            assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": call})).status_code == 200
+        table = await runtime.table("calls_t0")
+        assert table["stays-a"]["server_key"] != table["stays-b"]["server_key"]
+        slot = int(table["stays-a"]["server_key"][1:])
+        draining = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
+        assert gw.record.transition(draining, HostState.DRAINING)
+        try:
+            await gateway.apply(gw)  # what publish does after the transition
+            assert await gateway.calls_on(gw, draining) == 1  # stays-a, with a recent turn
+            for i in range(6):
+                reply = await c.post(CHAT, json=turn("new"), headers={"X-Session-Id": f"while-draining-{i}"})
+                assert reply.status_code == 200
+                again = await c.post(CHAT, json=turn("still here"), headers={"X-Session-Id": "stays-a"})
+                assert again.status_code == 200
+            table = await runtime.table("calls_t0")
+            assert table["stays-a"]["server_key"] == f"s{slot}"  # its own calls go on on the draining host
+            assert all(table[f"while-draining-{i}"]["server_key"] != f"s{slot}" for i in range(6))
+            status = {h["slot"]: h["status"] for h in (await gateway.status(gw))["targets"][0]["hosts"]}
+            assert status[slot].startswith("DRAIN")
+        finally:
+            gw.record.update(draining, state=HostState.READY)  # the next tests use both hosts again
+            await gateway.apply(gw)
+
+
 async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):
     key = await gateway.add_key(gw, "heidi")
     await wait_hosts_up(gw)

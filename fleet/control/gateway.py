@@ -6,12 +6,15 @@ fleet process on this machine makes to the hosts is applied at once (app.py hang
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 from fleet.context import Context
 from fleet.core.errors import BadInput
 from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
+from fleet.core.models import Host
 from fleet.gateway import process
 from fleet.gateway.files import GatewayFiles, files_for
 from fleet.gateway.runtime import Runtime
@@ -83,6 +86,34 @@ async def keep(ctx: Context) -> SyncReport | None:
         _record(ctx, "restart", {"pid": pid})
         ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
     return await apply(ctx)
+
+
+async def calls_on(ctx: Context, host: Host) -> int:
+    """Calls pinned to the host in this machine's gateway with a turn within gateway.call_idle_s."""
+    files = _files(ctx)
+    if host.gateway_slot is None or process.running_pid(files) is None:
+        return 0
+    runtime = Runtime(files.socket)
+    count = 0
+    for target in targets(ctx.settings):
+        if (target.model, target.region) == (host.model, host.region):
+            table = await runtime.table(target.backend)
+            server = f"s{host.gateway_slot}"
+            count += sum(1 for e in table.values() if e.get("server_key") == server and _rate(e) > 0)
+    return count
+
+
+def _rate(entry: dict[str, str]) -> int:
+    value = next((v for k, v in entry.items() if k.startswith("http_req_rate(")), "0")
+    return int(value) if value.isdigit() else 0
+
+
+async def wait_calls_end(ctx: Context, host: Host, deadline_s: float) -> int:
+    """Wait until no call pinned to the draining host has a recent turn, or `deadline_s`; the calls left."""
+    deadline = time.monotonic() + deadline_s
+    while (left := await calls_on(ctx, host)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    return left
 
 
 def _record(ctx: Context, action: str, detail: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from fleet.context import Context
-from fleet.control import offers
+from fleet.control import gateway, offers
 from fleet.control.destroy import destroy
 from fleet.control.up import UpRequest, up
 from fleet.core.models import Host, HostState, as_utc, utcnow
@@ -232,8 +233,12 @@ async def retire(ctx: Context, host: Host, reason: str, *, blacklist: bool) -> N
     if not ctx.record.transition(host, HostState.DRAINING):
         ctx.reporter.info(host.name, f"it is {host.state} now, not READY; not retired")
         return
-    await publish(ctx)
-    await drain(ctx, host)
+    await publish(ctx)  # the gateway: no new call for it; its own calls go on
+    started = time.monotonic()
+    left = await gateway.wait_calls_end(ctx, host, ctx.settings.rotation.drain_timeout_s)
+    if left:
+        ctx.reporter.info(host.name, f"{left} call(s) still talking at the drain timeout: they move to other hosts")
+    await drain(ctx, host, ctx.settings.rotation.drain_timeout_s - (time.monotonic() - started))
     if blacklist:
         blacklist_machine(ctx, host, "rotation", reason)
     await destroy(ctx, [host.name])

@@ -58,6 +58,9 @@ class Gateway(Strict):
     sync_every_s: Annotated[float, Field(ge=0.5, le=60)] = 2.0  # fleet daemon applies the record this often
     queue_timeout_s: Annotated[float, Field(ge=0.1, le=60)] = 5.0  # a turn waiting for its host's free slot
     retry_after_s: Annotated[int, Field(ge=1, le=3600)] = 1  # what a refused new call is told
+    # a call with no turn for this long is over: a draining host waits (up to rotation.drain_timeout_s) for
+    # the calls with a turn more recent than this
+    call_idle_s: Annotated[int, Field(ge=1, le=3600)] = 20
     # Several gateway instances share which host holds each call: every instance's name=ADDRESS:PORT, this one's
     # among them as `peer_name` (their stick tables travel over TLS with fleet's certificates)
     peers: list[str] = []

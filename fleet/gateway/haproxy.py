@@ -127,8 +127,10 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles) -> list[st
     lines = [
         f"backend {target.backend}",
         "  balance leastconn",
-        f"  stick-table type string len 128 size {STICK_ENTRIES} expire 1h{' peers fleet' if g.peers else ''}",
+        f"  stick-table type string len 128 size {STICK_ENTRIES} expire 1h{' peers fleet' if g.peers else ''}"
+        f" store http_req_rate({g.call_idle_s}s)",
         "  stick on var(txn.call)",
+        "  http-request track-sc0 var(txn.call)",  # each call's recent turns: a draining host waits for them
         "  option redispatch 1",
         "  retries 1",
         "  retry-on conn-failure empty-response 502 503",

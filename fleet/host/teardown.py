@@ -31,11 +31,11 @@ T = TypeVar("T")
 MAX_METRICS = 256 * 1024  # a /metrics answer is a few kB: what a host sends beyond this is not read
 
 
-async def drain(ctx: Context, host: Host) -> None:
+async def drain(ctx: Context, host: Host, timeout_s: float | None = None) -> None:
     """Wait until the server has no request in flight (llama-server's /metrics: every host serves it and no
     /slots), or the drain timeout. An answer that does not say (an error status, garbage) says nothing about
     the calls in flight: wait it out. Only a server that no longer accepts connections has nothing to drain."""
-    deadline = time.monotonic() + ctx.settings.rotation.drain_timeout_s
+    deadline = time.monotonic() + (ctx.settings.rotation.drain_timeout_s if timeout_s is None else timeout_s)
     async with ctx.server(host).client(timeout=5) as client:
         while time.monotonic() < deadline:
             try:
