@@ -1,0 +1,131 @@
+"""The gateway's bad input: one line and exit 2 (JSON under --json), nothing started, nothing written; and
+what reaches HAProxy's admin socket or its configuration is checked word by word."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleet.core import config
+from fleet.gateway.runtime import RuntimeApiError, checked, parse_servers_state, parse_table
+from fleet.gateway.targets import address_of
+from tests.fleetkit import without_shipped_serve, write_config
+
+
+def fleet_cli(config_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fleet", *args],
+        env={**os.environ, "FLEET_CONFIG": str(config_path), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def gateway_config(tmp: Path, extra: str) -> Path:
+    path = write_config(tmp)
+    text = path.read_text().replace("[gateway]\n", f'[gateway]\ndirectory = "{tmp}/gw"\n{extra}', 1)
+    path.write_text(text)
+    return path
+
+
+def test_start_without_a_serve_target_says_so_and_starts_nothing(tmp_path):
+    path = gateway_config(tmp_path, "")
+    path.write_text(without_shipped_serve(path.read_text()))
+    result = fleet_cli(path, "gateway", "start", "--json")
+    assert result.returncode == 2 and "no [[serve]] table" in json.loads(result.stdout)["error"]
+    assert not (tmp_path / "gw" / "haproxy.pid").exists()
+
+
+def test_an_overflow_without_its_key_is_refused_before_haproxy_starts(tmp_path):
+    path = gateway_config(tmp_path, "")
+    path.write_text(
+        path.read_text() + '\n[gateway.overflow]\nurl = "https://localhost:9/v1"\nkey_env = "NO_SUCH_KEY_X"\n'
+    )
+    result = fleet_cli(path, "gateway", "start")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "set NO_SUCH_KEY_X" in result.stderr
+    assert not (tmp_path / "gw" / "haproxy.pid").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ('[gateway.overflow]\nurl = "http://api.example.com/v1"\n', "an https:// URL"),
+        ('[gateway.overflow]\nurl = "https://api.example.com/v1?x=1"\n', "an https:// URL"),
+        ('[gateway.overflow]\nkey_env = "lower; rm -rf /"\n', "key_env"),
+        ('[gateway]\nlisten = "example.com"\n', "an IP address"),
+        ('[gateway]\nnames = ["bad name\\nline"]\n', "a DNS name or an IP address"),
+        ('[gateway]\npeers = ["a=10.0.0.1:1000 extra"]\npeer_name = "a"\n', "NAME=ADDRESS:PORT"),
+        ('[gateway]\npeers = ["a=10.0.0.1:1000"]\npeer_name = "b"\n', "name this instance among gateway.peers"),
+        ("[gateway]\nmetrics_port = 8443\n", "taken by another gateway endpoint"),
+        ("[gateway]\nmax_body_kb = 100000\n", "max_body_kb"),
+    ],
+)
+def test_bad_gateway_settings_are_refused_naming_the_key(tmp_path, extra, says):
+    text = (Path(__file__).resolve().parents[1] / "fleet.toml").read_text()
+    section = extra.split("\n", 1)[0]
+    if section == "[gateway]":
+        text = text.replace("[gateway]\n", extra, 1)
+        # the shipped table's own keys of the same name are dropped, so that TOML reads one
+        for line in extra.splitlines()[1:]:
+            key = line.split(" =", 1)[0]
+            text = "\n".join(t for t in text.splitlines() if not t.startswith(f"{key} =") or t == line) + "\n"
+    else:
+        text += "\n" + extra
+    (tmp_path / "fleet.toml").write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(tmp_path / "fleet.toml")
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_agent_names_are_checked_and_a_revoke_of_nobody_is_exit_2(tmp_path):
+    path = gateway_config(tmp_path, "")
+    bad = fleet_cli(path, "gateway", "key", "add", "bad name;", "--json")
+    assert bad.returncode == 2 and "an agent's name is letters" in json.loads(bad.stdout)["error"]
+    added = fleet_cli(path, "gateway", "key", "add", "alice", "--json")
+    assert added.returncode == 0
+    key = json.loads(added.stdout)["key"]
+    twice = fleet_cli(path, "gateway", "key", "add", "alice", "--json")
+    assert twice.returncode == 2 and "has a key already" in json.loads(twice.stdout)["error"]
+    listed = fleet_cli(path, "gateway", "key", "list", "--json")
+    assert [k["name"] for k in json.loads(listed.stdout)] == ["alice"] and key not in listed.stdout
+    nobody = fleet_cli(path, "gateway", "key", "revoke", "nobody", "--json")
+    assert nobody.returncode == 2 and "no live key" in json.loads(nobody.stdout)["error"]
+    # the record keeps the key's hash alone
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "fleet.db") as db:
+        rows = db.execute("SELECT name, sha256 FROM agent_keys").fetchall()
+    assert len(rows) == 1 and rows[0][0] == "alice" and key not in repr(rows) and len(rows[0][1]) == 64
+
+
+def test_nothing_from_the_record_or_a_host_adds_a_command_to_haproxys_socket():
+    assert checked("set", "server", "calls_t0/s1", "state", "ready") == "set server calls_t0/s1 state ready"
+    for bad in ("ready; shutdown sessions", "a\nb", "a b", "", "x" * 600, "k\x00"):
+        with pytest.raises(RuntimeApiError):
+            checked("add", "map", "/f", bad)
+    # a host's URL reaches HAProxy as an IP and a port, or not at all
+    assert address_of("https://10.0.0.7:41234") == ("10.0.0.7", 41234)
+    for url in ("https://evil.example.com:443", "http://10.0.0.7:80", "https://10.0.0.7", "https://10.0.0.7:1;x"):
+        assert address_of(url) is None
+
+
+def test_haproxys_answers_are_read_strictly():
+    state = (
+        "1\n# be_id be_name srv_id srv_name srv_addr srv_op_state srv_admin_state srv_uweight srv_iweight "
+        "srv_time_since_last_change srv_check_status srv_check_result srv_check_health srv_check_state "
+        "srv_agent_state bk_f_forced_id srv_f_forced_id srv_fqdn srv_port\n"
+        "3 calls_t0 1 s0 - 2 8 1 1 5 15 3 4 6 0 0 0 - 0\n"
+    )
+    (server,) = parse_servers_state(state)
+    assert (server.name, server.admin_state, server.in_maintenance) == ("s0", 8, False)
+    with pytest.raises(RuntimeApiError):
+        parse_servers_state(state.replace(" 8 1 1 ", " eight 1 1 "))
+    table = parse_table("# table: calls_t0\n0x1: key=call-1 use=0 exp=10 server_id=2 server_key=s1\nnoise\n")
+    assert table == {"call-1": {"use": "0", "exp": "10", "server_id": "2", "server_key": "s1"}}
