@@ -136,8 +136,10 @@ async def status(ctx: Context) -> dict[str, Any]:
     }
     rows: list[dict[str, str]] = []
     runtime = Runtime(files.socket)
+    names: dict[str, str] = {}
     if pid is not None:
         rows = await runtime.stats()
+        names = await runtime.map_entries(files.name_map)
     listen = ctx.settings.gateway.listen
     for target in targets(ctx.settings):
         host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
@@ -153,7 +155,7 @@ async def status(ctx: Context) -> dict[str, Any]:
             if row.get("pxname") == target.backend and row.get("svname", "").startswith("s"):
                 if row.get("status") == "MAINT":
                     continue
-                entry["hosts"].append(_host_row(rows, target, row))
+                entry["hosts"].append(_host_row(row, names.get(target.slot_section(int(row["svname"][1:])), "")))
         if pid is not None:
             counts = await runtime.table(f"counts_t{target.index}")
             entry["calls"] = {k: int(v.get("http_req_cnt", 0)) for k, v in counts.items()}
@@ -167,15 +169,10 @@ async def status(ctx: Context) -> dict[str, Any]:
     return out
 
 
-def _host_row(rows: list[dict[str, str]], target: Target, row: dict[str, str]) -> dict[str, Any]:
-    slot = int(row["svname"][1:])
-    section = target.slot_section(slot)
-    inside = next(
-        (r for r in rows if r.get("pxname") == section and r.get("svname") not in ("FRONTEND", "BACKEND")), None
-    )
+def _host_row(row: dict[str, str], host: str) -> dict[str, Any]:
     return {
-        "slot": slot,
-        "host": (inside or {}).get("svname", "").rsplit(".", 1)[0],
+        "slot": int(row["svname"][1:]),
+        "host": host,
         "status": row.get("status"),
         "streams": int(row.get("scur") or 0),
         "limit": int(row.get("slim") or 0),

@@ -50,6 +50,10 @@ class GatewayFiles:
         return self.directory / "host-keys.map"  # empty on disk: the hosts' keys live in HAProxy's memory
 
     @property
+    def name_map(self) -> Path:
+        return self.directory / "host-names.map"  # a slot's section -> the name its host's certificate holds
+
+    @property
     def lua(self) -> Path:
         return self.directory / "admission.lua"
 
@@ -76,7 +80,7 @@ def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -
     files.directory.mkdir(parents=True, exist_ok=True)
     files.directory.chmod(0o700)
     write_public(files.lua, resources.files("fleet.gateway").joinpath("admission.lua").read_bytes())
-    for map_file in (files.agent_map, files.host_map):
+    for map_file in (files.agent_map, files.host_map, files.name_map):
         write_public(map_file, b"")
     _certificate(files, settings, ca)
 

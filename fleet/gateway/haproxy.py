@@ -40,11 +40,14 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         f"  stats socket {files.socket} mode 600 level admin",
         f"  lua-load {files.lua}",
         f"  tune.bufsize {BUFFER_BYTES}",
+        f"  nbthread {g.threads}",
         "  ssl-server-verify required",
         *([f"  localpeer {g.peer_name}"] if g.peers else []),
         "",
+        "",
         "defaults",
         "  mode http",
+        "  option http-no-delay",  # each streamed token leaves at once, never held to fill a packet
         "  timeout connect 3s",
         "  timeout client 120s",
         "  timeout http-request 10s",
@@ -52,10 +55,6 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         "  timeout server 120s",
         f"  timeout queue {int(g.queue_timeout_s * 1000)}ms",
         "  timeout check 2s",
-        "",
-        # the CA every host's certificate is checked against, loaded at start for the servers added later
-        "backend fleet_ca",
-        f"  server ca 127.0.0.1:1 disabled ssl verify required ca-file {ca_file}",
         "",
     ]
     if g.peers:
@@ -70,7 +69,7 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         ]
     for target in targets:
         lines += _frontend(settings, target, files)
-        lines += _backend(settings, target, files)
+        lines += _backend(settings, target, files, ca_file)
         if g.overflow.url:
             lines += _overflow(settings, target)
     return "\n".join(lines) + "\n"
@@ -120,7 +119,7 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
     ]
 
 
-def _backend(settings: Settings, target: Target, files: GatewayFiles) -> list[str]:
+def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: str) -> list[str]:
     g = settings.gateway
     t = f"t{target.index}"
     check = f"check inter {int(g.check_every_s * 1000)}ms fall 2 rise 2"
@@ -140,13 +139,18 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles) -> list[st
         *(f"  server s{slot} abns@fleet-{files.tag}-{t}-{slot} disabled maxconn 1 {check}" for slot in range(g.slots)),
         "",
     ]
+    # HAProxy 2.6 keeps no idle connection to a server added at run time: each slot's server is written here,
+    # in maintenance, and fleet sets its address when a host takes the slot. The name its certificate must
+    # hold goes with the request as SNI, which HAProxy checks the certificate against.
     for slot in range(g.slots):
         lines += [
             f"listen {target.slot_section(slot)}",
             f"  bind abns@fleet-{files.tag}-{t}-{slot}",
-            "  balance first",
             "  http-reuse always",
             f'  http-request set-header authorization "Bearer %[fe_name,map({files.host_map})]"',
+            f"  server host 127.0.0.1:1 disabled ssl verify required ca-file {ca_file}"
+            f" sni fe_name,map({files.name_map}) {check} observe layer4 error-limit 1 on-error mark-down"
+            " pool-purge-delay 50s",
             "",
         ]
     return lines
