@@ -44,6 +44,10 @@ from fleet.localcloud.network import free_port
 from fleet.probes.server import Server
 from fleet.probes.stream import ChatResult, Connection
 from tests.fleetkit import fleet_for, settings_for, with_variant
+from tests.helpers import kill_llama_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gateway_rotation
 
 SLOTS = 64
 CTX_PER_SLOT = 2048
@@ -56,7 +60,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def bench_settings(tmp: Path) -> config.Settings:
-    base = settings_for(tmp)
+    # --rotation: a draining host keeps its calls 8 s at most, a dead host is replaced at its first failed sweep
+    base = settings_for(tmp, rotation={"drain_timeout_s": 8.0, "unhealthy_after_sweeps": 1})
     args = [
         "-ngl",
         "99",
@@ -185,6 +190,20 @@ def print_table(rows: list[dict[str, Any]], rounds: int, turns: int) -> None:
     )
 
 
+async def kill_server(fleet: Fleet, host: Any) -> None:
+    """Stop a host's llama-server over SSH, with the host's own script: a host dead under its calls."""
+    await kill_llama_server(host.ssh_host, host.ssh_port, fleet.ssh_key.private)
+
+
+async def rotation_run(fleet: Fleet) -> None:
+    for request in (UpRequest("wide", "eu", count=3), UpRequest("wide", "eu", standby=True)):
+        result = await fleet.up(request)
+        assert result.ready, result.failures
+    await gateway.start(fleet)
+    tally = await gateway_rotation.under_rotation(fleet, sys.modules[__name__])
+    gateway_rotation.report(tally)
+
+
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -196,9 +215,7 @@ async def run(args: argparse.Namespace) -> None:
             async with fleet_for(settings) as fleet:
                 try:
                     if args.rotation:
-                        from rotation_under_calls import under_rotation  # bench/rotation_under_calls.py
-
-                        await under_rotation(fleet, settings)
+                        await rotation_run(fleet)
                         return
                     up = await fleet.up(UpRequest(model="wide", region="eu"))
                     assert up.ready, up.failures

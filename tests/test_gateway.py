@@ -29,7 +29,7 @@ from fleet.core.models import HostState
 from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
 from fleet.gateway.files import files_for
-from fleet.gateway.runtime import Runtime
+from fleet.gateway.runtime import Runtime, checked
 from tests.fleetkit import fleet_for, settings_for, write_config
 from tests.helpers import kill_llama_server, processes_mentioning
 
@@ -451,6 +451,25 @@ async def test_a_draining_host_keeps_its_calls_and_takes_no_new_one(gw):
         finally:
             gw.record.update(draining, state=HostState.READY)  # the next tests use both hosts again
             await gateway.apply(gw)
+
+
+async def test_a_host_whose_certificate_names_another_host_is_refused(gw):
+    """Each host's certificate is checked against fleet's CA and the name fleet signed it for: a host that
+    answers at another host's address (its certificate valid, for another name) carries no call."""
+    key = await gateway.add_key(gw, "kim")
+    await wait_hosts_up(gw)
+    files = files_for(gw.settings)
+    runtime = Runtime(files.socket)
+    names = await runtime.map_entries(files.name_map)
+    assert len(names) == 2
+    (a, name_a), (b, name_b) = sorted(names.items())
+    await runtime.must(checked("set", "map", str(files.name_map), a, name_b))  # the addresses swapped
+    await runtime.must(checked("set", "map", str(files.name_map), b, name_a))
+    async with client(gw, key) as c:
+        refused = await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": "swapped"})
+        assert refused.status_code == 503
+        await gateway.apply(gw)  # the record's names again
+        assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": "named"})).status_code == 200
 
 
 async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):
