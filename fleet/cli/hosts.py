@@ -23,7 +23,7 @@ from fleet.cli.common import (
     reporter,
     run_async,
 )
-from fleet.control import sizing
+from fleet.control import gateway, sizing
 from fleet.control.up import UpRequest
 from fleet.core.models import utcnow
 from fleet.economics.bill import bill
@@ -129,14 +129,18 @@ def status_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
-            return fleet.status(include_ended=all_hosts), [sizing.observe(fleet, t) for t in settings.serve]
+            hosts = fleet.status(include_ended=all_hosts)
+            front = gateway.line(await gateway.status(fleet)) if settings.serve and not json_output else None
+            return hosts, [sizing.observe(fleet, t) for t in settings.serve], front
 
-    hosts, targets = run_async(go)
+    hosts, targets, front = run_async(go)
     if json_output:
         render.print_json(hosts)
         return
     for t in targets:  # what `fleet serve` and the daemon keep ([[serve]] in fleet.toml)
         render.line(t.line())
+    if front:
+        render.line(front)
     if not hosts:
         render.line("no live hosts" + ("" if all_hosts else " (--all shows ended ones)"))
         return

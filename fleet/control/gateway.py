@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from fleet.context import Context
+from fleet.context import Context, tls_dir
 from fleet.core.errors import BadInput
 from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
 from fleet.core.models import Host
@@ -130,7 +130,7 @@ async def status(ctx: Context) -> dict[str, Any]:
         "pid": pid,
         "wanted": _wanted(files),
         "directory": str(files.directory),
-        "ca_file": str(ctx.ca.certificate_path),
+        "ca_file": str(tls_dir(ctx.settings) / "ca.pem"),  # read, never made here: status starts nothing
         "agents": [k.name for k in agent_keys(ctx.record)],
         "targets": [],
     }
@@ -167,6 +167,19 @@ async def status(ctx: Context) -> dict[str, Any]:
                 entry["calls"]["overflowed"] = int(overflow.get("stot") or 0)
         out["targets"].append(entry)
     return out
+
+
+def line(status: dict[str, Any]) -> str:
+    """The gateway in one line, for `fleet status`."""
+    if not status["running"]:
+        return "gateway: not running (`fleet gateway start`)" + (
+            " - wanted: fleet daemon starts it" if status["wanted"] else ""
+        )
+    parts = []
+    for t in status["targets"]:
+        up = sum(1 for h in t["hosts"] if str(h["status"]).startswith(("UP", "DRAIN")))
+        parts.append(f"{t['base_url']} ({t['model']} in {t['region']}, {up} host(s))")
+    return f"gateway: {'; '.join(parts)}; {len(status['agents'])} agent key(s)"
 
 
 def _host_row(row: dict[str, str], host: str) -> dict[str, Any]:
