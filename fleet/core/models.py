@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger
+from sqlalchemy import BigInteger, Index, text
 from sqlmodel import Field, SQLModel
 
 
@@ -85,6 +85,18 @@ LABEL_PREFIX = "fleet:"  # every instance fleet rents carries it at the start of
 
 class Host(SQLModel, table=True):
     __tablename__ = "hosts"
+    # one open host per gateway slot of a model and region (migration 0013)
+    __table_args__ = (
+        Index(
+            "ux_hosts_gateway_slot",
+            "model",
+            "region",
+            "gateway_slot",
+            unique=True,
+            sqlite_where=text("destroyed_at IS NULL AND gateway_slot IS NOT NULL"),
+            postgresql_where=text("destroyed_at IS NULL AND gateway_slot IS NOT NULL"),
+        ),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True)
