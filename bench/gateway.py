@@ -39,6 +39,7 @@ from fleet.core.config import Serve
 from fleet.core.models import HostState
 from fleet.gateway.files import files_for
 from fleet.gateway.process import running_pid
+from fleet.gateway.runtime import Runtime, checked
 from fleet.localcloud import control
 from fleet.localcloud.network import free_port
 from fleet.probes.server import Server
@@ -164,6 +165,31 @@ async def side_by_side(fleet: Fleet, key: str, levels: list[int], rounds: int, t
     return rows
 
 
+async def refusals(fleet: Fleet, key: str, count: int = 40) -> list[float]:
+    """How long a new call on a full target waits for its 503: the host's limit set to one stream (through the
+    admin socket, as a bench of 1 would), one long stream held, then new calls one after another."""
+    runtime = Runtime(files_for(fleet.settings).socket)
+    await runtime.must(checked("set", "maxconn", "server", "calls_t0/s0", "1"))
+    through = Server(f"https://localhost:{fleet.settings.gateway.port}", key, fleet.tls)
+    held = Connection(through)
+    hold = asyncio.create_task(held.chat({"messages": [{"role": "user", "content": "go on"}], "max_tokens": 1800}))
+    probe = Connection(through)
+    times: list[float] = []
+    try:
+        await asyncio.sleep(0.05)
+        for i in range(count):
+            result = await probe.chat({"messages": [{"role": "user", "content": "hi"}], "user": f"new-{i}"})
+            if hold.done():
+                break  # the held stream ended: the target is not full any more
+            if result.status == 503:
+                times.append(result.timing.headers_ms)
+    finally:
+        await hold
+        await held.close()
+        await probe.close()
+    return times
+
+
 def print_table(rows: list[dict[str, Any]], rounds: int, turns: int) -> None:
     print(f"\none host, tiny model, {SLOTS} slots; {rounds} rounds per path, alternating; {turns} turns a caller")
     print(f"({MAX_TOKENS} tokens a reply); first content of the warm turns, pooled over the rounds\n")
@@ -222,10 +248,16 @@ async def run(args: argparse.Namespace) -> None:
                     await gateway.start(fleet)
                     key = await gateway.add_key(fleet, "bench")
                     rows = await side_by_side(fleet, key, args.levels, args.rounds, args.turns)
+                    refused = await refusals(fleet, key)
                 finally:
                     await gateway.stop(fleet)
                     await fleet.destroy(None)
             print_table(rows, args.rounds, args.turns)
+            if refused:
+                print(
+                    f"a new call on a full target: 503 in {statistics.median(refused):.2f} ms p50, "
+                    f"{max(refused):.2f} ms at most, over {len(refused)} calls on a kept connection (target < 50 ms)"
+                )
         finally:
             control.stop(tmp / "cloud")
 

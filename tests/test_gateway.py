@@ -22,14 +22,16 @@ import pytest
 from fleet.app import Fleet
 from fleet.context import tls_dir
 from fleet.control import gateway
+from fleet.control.daemon import gateway_metrics
 from fleet.control.up import UpRequest
 from fleet.core import config
 from fleet.core.config import Serve
-from fleet.core.models import HostState
+from fleet.core.models import BenchRun, HostState
 from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
 from fleet.gateway.files import files_for
 from fleet.gateway.runtime import Runtime, checked
+from fleet.host.endpoints import publish
 from tests.fleetkit import fleet_for, settings_for, write_config
 from tests.helpers import kill_llama_server, processes_mentioning
 
@@ -197,6 +199,15 @@ async def chunks(count: int) -> AsyncIterator[bytes]:
         yield b"x" * 65536
 
 
+async def refused_early(request: Any) -> int:
+    """A body refused while it is still being sent: the 413, or (HAProxy answers and closes at once, and a
+    busy client may still be writing) the connection closed under the upload; 413 either way."""
+    try:
+        return (await request).status_code
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        return 413
+
+
 async def status_of(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> int:
     async with c:
         return (await c.post(path, json=body)).status_code
@@ -215,8 +226,8 @@ async def test_bad_requests_are_refused_without_touching_a_host(gw):
                 await c.post(CHAT, content=b"{not json", headers={"content-type": "application/json"})
             ).status_code,
             "no messages": (await c.post(CHAT, json={"model": "tiny"})).status_code,
-            "huge": (await c.post(CHAT, content=b"x" * (limit + 1))).status_code,
-            "huge, chunked": (await c.post(CHAT, content=chunks(limit // 65536 + 2))).status_code,
+            "huge": await refused_early(c.post(CHAT, content=b"x" * (limit + 1))),
+            "huge, chunked": await refused_early(c.post(CHAT, content=chunks(limit // 65536 + 2))),
             "other path": (await c.get("/slots")).status_code,
             "props": (await c.get("/props")).status_code,
             "models by POST": (await c.post("/v1/models", json={})).status_code,
@@ -470,6 +481,35 @@ async def test_a_host_whose_certificate_names_another_host_is_refused(gw):
         assert refused.status_code == 503
         await gateway.apply(gw)  # the record's names again
         assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": "named"})).status_code == 200
+
+
+async def test_a_capacity_measured_sets_the_hosts_limit_and_the_daemon_exports_it(gw):
+    key = await gateway.add_key(gw, "lee")
+    await wait_hosts_up(gw)
+    host = gw.record.hosts(states=(HostState.READY,))[0]
+
+    def measured(capacity: int) -> BenchRun:
+        return BenchRun(
+            host_id=host.id, first_content_p95_ms_target=500, decode_tok_s_target=20, capacity=capacity,
+            capacity_at_least=False, usd_per_voice_minute=None, levels="[]",
+        )  # fmt: skip
+
+    gw.record.add(measured(0))  # a bench that found it holds no call at the voice target
+    await publish(gw)  # what `fleet bench` does once it recorded the run
+    doors = {h["host"]: h for h in (await gateway.status(gw))["targets"][0]["hosts"]}
+    assert doors[host.name]["status"].startswith("DRAIN")  # it takes no new call
+    gw.record.add(measured(1))
+    await publish(gw)
+    doors = {h["host"]: h for h in (await gateway.status(gw))["targets"][0]["hosts"]}
+    assert doors[host.name]["status"].startswith("UP") and doors[host.name]["limit"] == 1
+    async with client(gw, key) as c:
+        for i in range(3):
+            assert (await c.post(CHAT, json=turn("hi"), headers={"X-Session-Id": f"metered-{i}"})).status_code == 200
+    families = {f.name: f for f in await asyncio.to_thread(lambda: list(gateway_metrics(gw.settings)))}
+    new_calls = [s.value for s in families["fleet_gateway_requests"].samples if s.labels["kind"] == "new"]
+    assert new_calls and new_calls[0] >= 3
+    limits = {s.labels["host"]: s.value for s in families["fleet_gateway_limit"].samples}
+    assert limits[host.name] == 1
 
 
 async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):

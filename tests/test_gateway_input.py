@@ -129,3 +129,34 @@ def test_haproxys_answers_are_read_strictly():
         parse_servers_state(state.replace(" 8 1 1 ", " eight 1 1 "))
     table = parse_table("# table: calls_t0\n0x1: key=call-1 use=0 exp=10 server_id=2 server_key=s1\nnoise\n")
     assert table == {"call-1": {"use": "0", "exp": "10", "server_id": "2", "server_key": "s1"}}
+
+
+async def test_haproxy_starts_from_a_folder_too_deep_for_a_unix_socket_path(tmp_path):
+    """A Unix socket's path holds 108 bytes: a gateway folder deep in a long path keeps its admin socket in
+    a private folder of this user's instead, and HAProxy starts, answers and stops."""
+    from fleet.core.tls import ensure_ca
+    from fleet.gateway import process
+    from fleet.gateway.files import files_for, runtime_dir
+    from fleet.gateway.runtime import Runtime
+    from fleet.gateway.targets import targets
+    from tests.fleetkit import settings_for
+    from tests.test_gateway import free_port
+
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "gateway"
+    base = settings_for(tmp_path)
+    settings = base.model_copy(
+        update={
+            "serve": [config.Serve(model="tiny", region="eu")],
+            "gateway": base.gateway.model_copy(update={"directory": str(deep), "port": free_port(), "metrics_port": 0}),
+        }
+    )
+    files = files_for(settings)
+    assert len(str(deep / "admin.sock")) > 108 and files.socket.parent == runtime_dir()
+    assert oct(runtime_dir().stat().st_mode & 0o777) == "0o700"
+    pid = await process.start(files, settings, targets(settings), ensure_ca(tmp_path / "tls", "test CA"))
+    try:
+        stats = await Runtime(files.socket).stats()
+        assert any(r["pxname"] == "calls_t0" for r in stats)
+    finally:
+        assert await process.stop(files) == pid
+    assert process.running_pid(files) is None and not files.socket.exists()

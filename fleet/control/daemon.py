@@ -192,8 +192,9 @@ class FleetCollector(Collector):
     """Metrics read from the record at each scrape: hosts by state and model, $/h, cost, probe verdicts,
     replacements and why."""
 
-    def __init__(self, record: db.Record) -> None:
+    def __init__(self, record: db.Record, settings: config.Settings | None = None) -> None:
         self.record = record
+        self.settings = settings
 
     def collect(self) -> Iterator[Any]:
         hosts = self.record.hosts()
@@ -237,6 +238,32 @@ class FleetCollector(Collector):
             for reason, n in sorted(reasons.items()):
                 replacements.add_metric([reason], n)
             yield replacements
+        if self.settings is not None and self.settings.serve:
+            yield from gateway_metrics(self.settings)
+
+
+def gateway_metrics(settings: config.Settings) -> Iterator[Any]:
+    """This machine's gateway, per target: requests by what admission made of them (a new call, a turn of a
+    call in progress, a new call on a full target; overflowed), and each host's streams now and limit.
+    (Scraped in the exporter's thread: its own event loop for the admin socket.)"""
+    try:
+        targets = asyncio.run(gateway.targets_now(settings))
+    except (FleetError, OSError) as e:
+        log.warning("gateway metrics: %s", e)
+        return
+    requests = CounterMetricFamily(
+        "fleet_gateway_requests", "Requests through the gateway, by admission", labels=["target", "kind"]
+    )
+    streams = GaugeMetricFamily("fleet_gateway_streams", "Streams each host carries now", labels=["target", "host"])
+    limit = GaugeMetricFamily("fleet_gateway_limit", "Streams each host may carry", labels=["target", "host"])
+    for t in targets:
+        name = f"{t['model']}.{t['region']}"
+        for kind, n in sorted(t["calls"].items()):
+            requests.add_metric([name, kind], n)
+        for h in t["hosts"]:
+            streams.add_metric([name, h["host"]], h["streams"])
+            limit.add_metric([name, h["host"]], h["limit"])
+    yield from (requests, streams, limit)
 
 
 def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOScheduler:
@@ -275,7 +302,7 @@ async def serve(settings: config.Settings, config_path: str, metrics_port: int |
             from prometheus_client import start_http_server
 
             registry = CollectorRegistry()
-            registry.register(FleetCollector(db.Record(engine)))
+            registry.register(FleetCollector(db.Record(engine), settings))
             start_http_server(port, addr="127.0.0.1", registry=registry)
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
         scheduler = build_scheduler(settings, config_path)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from fleet.context import Context, tls_dir
+from fleet.core.config import Settings
 from fleet.core.errors import BadInput
 from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
 from fleet.core.models import Host
@@ -125,24 +126,32 @@ async def status(ctx: Context) -> dict[str, Any]:
     of new calls, turns and refusals (or overflows), and the agents' keys."""
     files = _files(ctx)
     pid = process.running_pid(files)
-    out: dict[str, Any] = {
+    return {
         "running": pid is not None,
         "pid": pid,
         "wanted": _wanted(files),
         "directory": str(files.directory),
         "ca_file": str(tls_dir(ctx.settings) / "ca.pem"),  # read, never made here: status starts nothing
         "agents": [k.name for k in agent_keys(ctx.record)],
-        "targets": [],
+        "targets": await targets_now(ctx.settings),
     }
+
+
+async def targets_now(settings: Settings) -> list[dict[str, Any]]:
+    """Each target as this machine's gateway holds it now (no host and no count when it does not run): what
+    `status` shows and the daemon's metrics export. Reads the record not at all."""
+    files = files_for(settings)
     rows: list[dict[str, str]] = []
-    runtime = Runtime(files.socket)
     names: dict[str, str] = {}
-    if pid is not None:
+    runtime = Runtime(files.socket)
+    running = process.running_pid(files) is not None
+    if running:
         rows = await runtime.stats()
         names = await runtime.map_entries(files.name_map)
-    listen = ctx.settings.gateway.listen
-    for target in targets(ctx.settings):
-        host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
+    listen = settings.gateway.listen
+    host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
+    out = []
+    for target in targets(settings):
         entry: dict[str, Any] = {
             "model": target.model,
             "region": target.region,
@@ -152,20 +161,16 @@ async def status(ctx: Context) -> dict[str, Any]:
             "calls": {},
         }
         for row in rows:
-            if row.get("pxname") == target.backend and row.get("svname", "").startswith("s"):
-                if row.get("status") == "MAINT":
-                    continue
+            door = row.get("pxname") == target.backend and row.get("svname", "").startswith("s")
+            if door and row.get("status") != "MAINT":
                 entry["hosts"].append(_host_row(row, names.get(target.slot_section(int(row["svname"][1:])), "")))
-        if pid is not None:
+        if running:
             counts = await runtime.table(f"counts_t{target.index}")
             entry["calls"] = {k: int(v.get("http_req_cnt", 0)) for k, v in counts.items()}
-            overflow = next(
-                (r for r in rows if r.get("pxname") == f"overflow_t{target.index}" and r.get("svname") == "BACKEND"),
-                None,
-            )
-            if overflow is not None:
-                entry["calls"]["overflowed"] = int(overflow.get("stot") or 0)
-        out["targets"].append(entry)
+            overflow = [r for r in rows if r.get("pxname") == f"overflow_t{target.index}" and r["svname"] == "BACKEND"]
+            if overflow:
+                entry["calls"]["overflowed"] = int(overflow[0].get("stot") or 0)
+        out.append(entry)
     return out
 
 

@@ -3,9 +3,12 @@ admin socket, the endpoints' certificate, the maps it reads keys from, the /v1/m
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,6 +20,7 @@ from fleet.core.config import ConfigError, Settings
 from fleet.core.files import write_public
 from fleet.core.tls import CertificateAuthority, sign_server
 
+SOCKET_PATH_MAX = 90  # of a Unix socket's 108 bytes: HAProxy adds ".<pid>.tmp" while it binds
 CERTIFICATE_DAYS = 90
 RENEW_WITHIN = dt.timedelta(days=30)
 
@@ -35,7 +39,13 @@ class GatewayFiles:
 
     @property
     def socket(self) -> Path:
-        return self.directory / "admin.sock"
+        """HAProxy's admin socket: in the folder, unless its path would not fit a Unix socket's 108 bytes
+        (HAProxy binds it under a longer temporary name first); then in a private folder of this user's
+        under the runtime directory."""
+        beside = self.directory / "admin.sock"
+        if len(str(beside).encode()) <= SOCKET_PATH_MAX:
+            return beside
+        return runtime_dir() / f"gateway-{self.tag}.sock"
 
     @property
     def pem(self) -> Path:
@@ -68,6 +78,19 @@ class GatewayFiles:
     def tag(self) -> str:
         """Tells this instance's internal sockets apart from another's on the same machine."""
         return hashlib.sha256(str(self.directory.resolve()).encode()).hexdigest()[:10]
+
+
+def runtime_dir() -> Path:
+    """A folder of this user's alone, with a short path, for sockets: $XDG_RUNTIME_DIR/fleet, else
+    /tmp/fleet-UID (checked: a folder, not a link, this user's, no one else's to read or enter)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(base) / "fleet" if base else Path(tempfile.gettempdir()) / f"fleet-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700, parents=bool(base))
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ConfigError(f"{folder}: not a private folder of this user's (mode 0700): the gateway's socket goes there")
+    return folder
 
 
 def files_for(settings: Settings) -> GatewayFiles:

@@ -73,7 +73,7 @@ async def start(files: GatewayFiles, settings: Settings, targets: list[Target], 
     write_configuration(files, settings, targets, ca)
     files.socket.unlink(missing_ok=True)
     process = await asyncio.create_subprocess_exec(
-        binary, "-D", "-q", "-p", str(files.pidfile), "-f", str(files.config),
+        binary, "-D", "-p", str(files.pidfile), "-f", str(files.config),
         env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip

@@ -18,6 +18,7 @@ from fleet.core.config import Profile
 from fleet.core.errors import FleetError
 from fleet.core.models import BenchRun, Host, HostState, ProbeRun
 from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voice_minute
+from fleet.host.endpoints import publish
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import HostKeyMismatch, connect
 from fleet.host.teardown import blacklist_machine
@@ -149,6 +150,7 @@ async def bench(
             levels=json.dumps([lv.as_dict() for lv in levels]),
         )
     )
+    await publish(ctx)  # a capacity measured: the gateway's limit for this host follows
     return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost, kept)
 
 
