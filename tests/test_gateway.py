@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -361,51 +362,46 @@ async def test_a_full_target_overflows_new_calls_and_refuses_them_at_once_withou
             )
         }
     )
-    async with fleet_for(with_overflow) as fleet:
+    async with full_target(cloud, with_overflow, "erin") as (fleet, c, held):
+        # two one-slot hosts, each streaming a call: a third call is new and the target is full
+        third = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "third"})
+        assert third.status_code == 200, third.text
+        # ... and it went to the overflow, not to a host: the host's calls are still streaming
+        assert not any(s.done for s in held)
+        status = await gateway.status(fleet)
+        assert status["targets"][0]["calls"].get("overflowed") == 1
+        assert status["targets"][0]["calls"].get("full") == 1
+        # a turn of a call in progress is never refused: it waits for its own host
+        turn_two = await c.post(CHAT, json=turn("held-1 again", 4), headers={"X-Session-Id": "held-1"})
+        assert turn_two.status_code == 200
+        assert (await gateway.status(fleet))["targets"][0]["calls"].get("overflowed") == 1
+
+    # the same target with no overflow: a new call on a full target gets 503 and Retry-After, not a queue
+    async with full_target(cloud, base, "frank") as (fleet, c, held):
+        refused = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "fourth"})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "overloaded"
+        assert not any(s.done for s in held)  # answered while the hosts were still busy: no queue
+    assert all(s.finished_with_done for s in held)
+
+
+@asynccontextmanager
+async def full_target(cloud, settings: config.Settings, agent: str) -> AsyncIterator[tuple]:
+    """A gateway of these settings whose two one-slot hosts each stream a long call (held-1, held-2): the
+    target is full. Yields (fleet, client, held streams); the streams run to their end afterwards."""
+    async with fleet_for(settings) as fleet:
         try:
             await gateway.start(fleet)
-            key = await gateway.add_key(fleet, "erin")
+            key = await gateway.add_key(fleet, agent)
             await wait_hosts_up(fleet)
             slow_down(cloud, fleet)
             async with client(fleet, key, timeout=120) as c:
                 held = [Stream(c, "held-1"), Stream(c, "held-2")]
                 await asyncio.gather(*(s.first.wait() for s in held))
                 assert not any(s.done for s in held)
-                # two one-slot hosts, each streaming a call: a third call is new and the target is full
-                third = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "third"})
-                assert third.status_code == 200, third.text
-                # ... and it went to the overflow, not to a host: the host's calls are still streaming
-                assert not any(s.done for s in held)
-                status = await gateway.status(fleet)
-                assert status["targets"][0]["calls"].get("overflowed") == 1
-                assert status["targets"][0]["calls"].get("full") == 1
-                # a turn of a call in progress is never refused: it waits for its own host
-                turn_two = await c.post(CHAT, json=turn("held-1 again", 4), headers={"X-Session-Id": "held-1"})
-                assert turn_two.status_code == 200
-                assert (await gateway.status(fleet))["targets"][0]["calls"].get("overflowed") == 1
+                yield fleet, c, held
                 cloud.set_faults({})
                 await asyncio.gather(*(s.task for s in held))
-        finally:
-            cloud.set_faults({})
-            await gateway.stop(fleet)
-
-    # the same target with no overflow: a new call on a full target gets 503 and Retry-After, not a queue
-    async with fleet_for(base) as fleet:
-        try:
-            await gateway.start(fleet)
-            key = await gateway.add_key(fleet, "frank")
-            await wait_hosts_up(fleet)
-            slow_down(cloud, fleet)
-            async with client(fleet, key, timeout=120) as c:
-                held = [Stream(c, "held-3"), Stream(c, "held-4")]
-                await asyncio.gather(*(s.first.wait() for s in held))
-                refused = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "fourth"})
-                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-                assert refused.json()["error"]["type"] == "overloaded"
-                assert not any(s.done for s in held)  # answered while the hosts were still busy: no queue
-                cloud.set_faults({})
-                await asyncio.gather(*(s.task for s in held))
-                assert all(s.finished_with_done for s in held)
         finally:
             cloud.set_faults({})
             await gateway.stop(fleet)
