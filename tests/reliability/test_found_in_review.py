@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,9 @@ async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exit
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a user's Ctrl-C comes from a terminal where SIGINT is never ignored; a test worker may ignore it (its
+        # children would inherit that, and Python keeps an inherited ignore): the up must hear the interrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     async with fleet_for(settings_for(tmp_path)) as fleet:
         try:
@@ -126,6 +130,8 @@ async def test_an_interrupted_up_destroys_every_siblings_instance_before_it_exit
             while len(hosts := fleet.record.hosts()) < 2 or not any(h.instance_id for h in hosts):
                 assert asyncio.get_running_loop().time() < deadline and up.poll() is None, up.stderr
                 await asyncio.sleep(0.05)
+            ignored = int(Path(f"/proc/{up.pid}/status").read_text().split("SigIgn:")[1].split()[0], 16)
+            assert not ignored & (1 << (signal.SIGINT - 1)), "the up ignores SIGINT: the interrupt would be lost"
             up.send_signal(signal.SIGINT)
             _, err = await asyncio.to_thread(up.communicate, timeout=120)
             assert up.returncode == 130, err
