@@ -67,10 +67,6 @@ class GatewayFiles:
     def lua(self) -> Path:
         return self.directory / "admission.lua"
 
-    @property
-    def log(self) -> Path:
-        return self.directory / "haproxy.log"
-
     def models(self, index: int) -> Path:
         return self.directory / f"models-t{index}.json"
 

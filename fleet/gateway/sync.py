@@ -21,7 +21,6 @@ DRAIN_FORCED = 0x08  # HAProxy's admin state bit of a server set to drain
 class SyncReport:
     added: list[str] = field(default_factory=list)  # host names given a server
     removed: list[str] = field(default_factory=list)  # servers taken out (host gone, moved or restarted)
-    draining: list[str] = field(default_factory=list)
     agents: int = 0
 
     @property
@@ -108,9 +107,10 @@ async def _slot(
         await runtime.must(checked("set", "server", server, "state", "ready"))
         report.added.append(member.host)
     calls = max(member.calls, 1)  # 0 would be no limit to HAProxy; a host measured at 0 drains instead
-    await runtime.must(checked("set", "maxconn", "server", front, str(calls)))
-    await runtime.must(checked("set", "weight", front, str(min(calls, WEIGHT_MAX))))
+    # limit and weight are set together: a door whose weight is the limit already holds it (every beat would
+    # otherwise send both again), unless the limit is past what a weight can say
+    if door is None or door.weight != min(calls, WEIGHT_MAX) or calls > WEIGHT_MAX:
+        await runtime.must(checked("set", "maxconn", "server", front, str(calls)))
+        await runtime.must(checked("set", "weight", front, str(min(calls, WEIGHT_MAX))))
     if door is None or door.in_maintenance or bool(door.admin_state & DRAIN_FORCED) != member.draining:
         await runtime.must(checked("set", "server", front, "state", "drain" if member.draining else "ready"))
-    if member.draining:
-        report.draining.append(member.host)
