@@ -27,7 +27,8 @@ class GatewayError(FleetError):
 
 
 def haproxy_binary() -> str:
-    found = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.access(p, os.X_OK)), None)
+    # root's PATH names /usr/sbin; another user's may not
+    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
     if found is None:
         raise GatewayError("HAProxy is not installed (Debian's haproxy package: scripts/setup installs it)")
     return found
