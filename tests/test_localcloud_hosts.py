@@ -2,8 +2,10 @@
 aria2c pulling from the hub, llama-server answering; destroy leaves nothing running."""
 
 import json
+import os
 import secrets
 import shlex
+import subprocess
 from pathlib import Path
 
 import asyncssh
@@ -146,3 +148,27 @@ async def test_fleet_pull_rejects_a_wrong_checksum(cloud, host, ssh_keypair):
         assert r.exit_status == 3
         assert "sha256 mismatch" in r.stderr
         assert (await conn.run("test -e models/bad.gguf")).exit_status == 1
+
+
+def test_a_host_gets_the_machines_ssh_keygen_and_openssl_where_the_system_path_has_none(tmp_path, monkeypatch):
+    """The image ships ssh-keygen and openssl (fleet-host-key and fleet-tls call them). A machine that keeps
+    its own off the system's PATH (the GPU bench carries OpenSSH in a folder of its own) still gives them to
+    its hosts: found on this process's PATH, the host runs them from its own bin/."""
+    from fleet.localcloud.hosts import LocalHost
+
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    ran = tmp_path / "ran"
+    for program, real in (("ssh-keygen", "/usr/bin/ssh-keygen"), ("openssl", "/usr/bin/openssl")):
+        wrapper = carried / program
+        wrapper.write_text(f'#!/bin/sh\necho {program} >> {ran}\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{carried}:{os.environ['PATH']}")
+    host = LocalHost(tmp_path / "host", "token", "127.0.0.1", 22, None)
+    host.prepare()
+    key = tmp_path / "key"
+    script = f"ssh-keygen -q -t ed25519 -N '' -f {key} && openssl version"
+    done = subprocess.run(["/bin/sh", "-c", script], env=host.base_env(), capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert ran.read_text().split() == ["ssh-keygen", "openssl"]
+    assert key.exists()

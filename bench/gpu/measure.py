@@ -8,6 +8,8 @@
            loaded by llama-server with its profile's flags at several slot counts; `fleet plan`'s terms
            against llama-server's own buffer lines and nvidia-smi's memory.used of the process.
   replan   PLAN_JSON: a recorded plan run's table with the planner as it is now (anywhere, no GPU).
+  path     where served decode is lost on fleet's path: a fleet host, then its server taken apart one
+           difference at a time (decode_path.py)
   thermal  `fleet up`, then `fleet probe HOST --only thermal` for the profile's 5 minutes, with the raw
            nvidia-smi query captured beside it (the parser fixture) and `nvidia-smi -q` under load.
 
@@ -27,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import gguf
+import served
 
 from fleet.core import config
 from fleet.localcloud import control, replicas
@@ -153,23 +156,33 @@ def decode() -> None:
     bandwidth = copy_bandwidth()
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
     per_token = bytes_per_token(MODEL)
+    binary = Path(os.environ["FLEET_LLAMA_SERVER"])
+    flags = config.load().profile(PROFILE).args
+    rows: dict[str, list[dict]] = {}
+    for name, tls in (("llama-server alone, HTTP", False), ("llama-server alone, HTTPS", True)):
+        log(f"{name}: the profile's flags alone, fleet's bench at 1-8 callers")
+        rows[name] = served.alone(binary, MODEL, flags, 8, tls)
     start_cloud()
     try:
         host, up_s = up()
         result = fleet("bench", host, "--callers", "8", "--max-tokens", "128", "--json", timeout=900)
         report = json.loads(result.stdout)
         (OUT / "fleet-bench.json").write_text(json.dumps(report, indent=1))
+        rows["fleet host (fleet bench: HTTPS, the local cloud's forwarder)"] = report["levels"]
+        log("the host through the gateway, then directly")
+        pair = served.through_gateway(host, 8)
+        rows["fleet host through the gateway (HAProxy, TLS both hops)"] = pair["gateway"]
+        rows["fleet host directly, right after the gateway's run"] = pair["host"]
         (LOGS / "fleet-status.json").write_text(fleet("status", "--json").stdout)
     finally:
         tear_down()
-    levels = {lv["callers"]: lv for lv in report["levels"]}
-    depth = int(levels[1]["prompt_tokens"])  # where the served callers decoded: llama.cpp's runs go there too
+    (OUT / "served.json").write_text(json.dumps(rows, indent=1))
+    depth = int(rows["llama-server alone, HTTP"][0]["prompt_tokens"])  # where callers decode: llama.cpp's runs too
     bench_rates = llama_bench((0, depth))
-    batched = batched_bench(depth, sorted(levels))
+    batched = batched_bench(depth, [1, 2, 4, 8])
     log(f"llama-bench tg128: {bench_rates}; batched per sequence at depth {depth}: {batched}")
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    served_one = levels[1]["decode_per_caller_tok_s"]
     lines = [
         f"# Decode on {smi}, {stamp}",
         "",
@@ -179,41 +192,97 @@ def decode() -> None:
         f"KV cache of the context: {KV_BYTES_PER_TOKEN // 1024} KiB per token of depth.",
         f"Device-to-device copy (PyTorch, 4 GiB, median of 20, read + written): {bandwidth / 1e12:.3f} TB/s.",
         f"`fleet up` to READY: {up_s:.0f} s (rent, boot, aria2c pull from the hub, sha256, load, probes).",
-        f"`fleet bench` callers decode at a depth of {depth} tokens (median prompt of the measured turns).",
+        f"Served callers decode at a depth of {depth} tokens (median prompt of the measured turns); every served",
+        "row is fleet's own bench code (the recorded call, callers in waves, 3 measured waves a level).",
         "",
-        "| what | callers | tok/s per caller | bytes read per step x steps/s | share of copy bandwidth | "
-        "served / llama.cpp alone |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| what | callers | tok/s per caller | first content p50 / p95 ms | bytes read per step x steps/s | "
+        "share of copy bandwidth | / llama.cpp alone | / llama-server alone, HTTP |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for d, rate in sorted(bench_rates.items()):
         achieved = (per_token + KV_BYTES_PER_TOKEN * d) * rate
-        lines.append(f"| llama-bench tg128, depth {d} | 1 | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
-                     f"{achieved / bandwidth:.3f} | |")  # fmt: skip
+        lines.append(f"| llama-bench tg128, depth {d} | 1 | {rate:.1f} | | {achieved / 1e12:.3f} TB/s | "
+                     f"{achieved / bandwidth:.3f} | | |")  # fmt: skip
     for n, rate in sorted(batched.items()):
         achieved = (per_token + KV_BYTES_PER_TOKEN * depth * n) * rate
-        lines.append(f"| llama-batched-bench, depth {depth} | {n} | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
-                     f"{achieved / bandwidth:.3f} | |")  # fmt: skip
-    for n, level in sorted(levels.items()):
-        rate = level["decode_per_caller_tok_s"]
-        if rate is None:
-            lines.append(f"| fleet bench | {n} | - | | | errors {level['errors']} |")
-            continue
-        achieved = (per_token + KV_BYTES_PER_TOKEN * depth * n) * rate
-        alone = bench_rates[depth] if n == 1 else batched.get(n)
-        versus = f"{rate / alone:.3f}" if alone else ""
-        lines.append(f"| fleet bench (served, HTTP) | {n} | {rate:.1f} | {achieved / 1e12:.3f} TB/s | "
-                     f"{achieved / bandwidth:.3f} | {versus} |")  # fmt: skip
-    lines += [
-        "",
-        f"Served one caller / llama-bench at the same depth: {served_one / bench_rates[depth]:.3f} (target >= 0.95); "
-        f"llama-bench at depth 0 reaches {per_token * bench_rates[0] / bandwidth:.3f} of the copy bandwidth "
-        "(the baseline later work is measured against).",
-        f"Capacity at the voice target: {report['capacity']['callers']} callers"
-        + (" (at least)" if report["capacity"]["at_least"] else ""),
-    ]
+        lines.append(f"| llama-batched-bench, depth {depth} | {n} | {rate:.1f} | | {achieved / 1e12:.3f} TB/s | "
+                     f"{achieved / bandwidth:.3f} | | |")  # fmt: skip
+    direct = {lv["callers"]: lv for lv in rows["llama-server alone, HTTP"]}
+    for name, found in rows.items():
+        for level in found:
+            n, rate = level["callers"], level["decode_per_caller_tok_s"]
+            if rate is None:
+                lines.append(f"| {name} | {n} | - | | | | errors {level['errors']} | |")
+                continue
+            achieved = (per_token + KV_BYTES_PER_TOKEN * depth * n) * rate
+            alone = bench_rates[depth] if n == 1 else batched.get(n)
+            first = f"{level['first_content_p50_ms']:.1f} / {level['first_content_p95_ms']:.1f}"
+            base = (direct.get(n) or {}).get("decode_per_caller_tok_s")
+            lines.append(
+                f"| {name} | {n} | {rate:.1f} | {first} | {achieved / 1e12:.3f} TB/s | {achieved / bandwidth:.3f} | "
+                f"{_ratio_of(rate, alone)} | {_ratio_of(rate, base)} |"
+            )
+    lines += ["", *verdicts(rows, bench_rates[depth], batched)]
+    lines.append(f"Capacity at the voice target: {report['capacity']['callers']} callers"
+                 + (" (at least)" if report["capacity"]["at_least"] else ""))  # fmt: skip
     text = "\n".join(lines) + "\n"
     (OUT / "decode.md").write_text(text)
     print(text)
+
+
+def _ratio_of(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if a and b else ""
+
+
+def verdicts(rows: dict[str, list[dict]], one_alone: float, batched: dict[int, float]) -> list[str]:
+    """The issue's targets, each with the worst level: fleet >= 0.95 of llama-server alone, alone >= 0.95 of
+    llama.cpp alone, HTTPS within 1% decode and 1 ms first content of HTTP, the gateway within its own."""
+
+    def by(name: str) -> dict[int, dict]:
+        return {lv["callers"]: lv for lv in rows[name]}
+
+    http, https = by("llama-server alone, HTTP"), by("llama-server alone, HTTPS")
+    host = by("fleet host (fleet bench: HTTPS, the local cloud's forwarder)")
+    through, beside = (
+        by("fleet host through the gateway (HAProxy, TLS both hops)"),
+        by("fleet host directly, right after the gateway's run"),
+    )
+
+    def worst(a: dict[int, dict], b: dict[int, dict], field: str = "decode_per_caller_tok_s") -> tuple[float, int]:
+        ratios = [(a[n][field] / b[n][field], n) for n in sorted(a) if n in b and a[n][field] and b[n][field]]
+        return min(ratios) if ratios else (float("nan"), 0)
+
+    def added(a: dict[int, dict], b: dict[int, dict], field: str) -> tuple[float, int]:
+        gaps = [(a[n][field] - b[n][field], n) for n in sorted(a) if n in b and a[n][field] and b[n][field]]
+        return max(gaps) if gaps else (float("nan"), 0)
+
+    cpp = {1: one_alone, **{n: r for n, r in batched.items() if n > 1}}
+    alone_vs_cpp = [(http[n]["decode_per_caller_tok_s"] / cpp[n], n) for n in sorted(http) if cpp.get(n)]
+    fleet_ratio, fleet_n = worst(host, http)
+    cpp_ratio, cpp_n = min(alone_vs_cpp) if alone_vs_cpp else (float("nan"), 0)
+    tls_ratio, tls_n = worst(https, http)
+    tls_first, tls_first_n = added(https, http, "first_content_p50_ms")
+    gw_ratio, gw_n = worst(through, beside)
+    gw_p50, gw_p50_n = added(through, beside, "first_content_p50_ms")
+    gw_p95, gw_p95_n = added(through, beside, "first_content_p95_ms")
+    return [
+        f"- fleet host / llama-server alone (HTTP), worst level: {fleet_ratio:.3f} at {fleet_n} (target >= 0.95).",
+        f"- llama-server alone / llama.cpp alone (llama-bench at 1, llama-batched-bench above), worst level: "
+        f"{cpp_ratio:.3f} at {cpp_n} (target >= 0.95).",
+        f"- HTTPS / HTTP decode, worst level: {tls_ratio:.3f} at {tls_n} (target: within 1%); first content p50 "
+        f"added by TLS, worst level: {tls_first:+.2f} ms at {tls_first_n} (target < 1 ms, kept connections).",
+        f"- Through the gateway / directly, decode, worst level: {gw_ratio:.3f} at {gw_n} (target >= 0.98); first "
+        f"content added, worst level: p50 {gw_p50:+.2f} ms at {gw_p50_n} (target <= 1 ms), p95 {gw_p95:+.2f} ms at "
+        f"{gw_p95_n} (the target is <= 3 ms at p99; 3 waves a level give no p99).",
+    ]
+
+
+def path() -> None:
+    """Where served decode is lost between llama-server alone and a fleet host (decode_path.py)."""
+    import decode_path
+
+    start_cloud()
+    decode_path.run(up, tear_down, OUT, LOGS)
 
 
 def thermal() -> None:
@@ -399,4 +468,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "replan":
         replan(Path(sys.argv[2]))
     else:
-        {"decode": decode, "thermal": thermal}[sys.argv[1]]()
+        {"decode": decode, "thermal": thermal, "path": path}[sys.argv[1]]()

@@ -92,10 +92,13 @@ class LocalHost:
         os.chmod(self.directory, 0o700)
         for script in HOST_SCRIPTS.iterdir():
             _link(script, self.bin_dir / script.name)
-        # nvidia-smi: on a GPU machine the container runtime mounts the driver's tools into every container
-        found = shutil.which("nvidia-smi")
-        if found:
-            _link(Path(found), self.bin_dir / "nvidia-smi")
+        # nvidia-smi: on a GPU machine the container runtime mounts the driver's tools into every container.
+        # ssh-keygen and openssl: the image ships them (fleet-host-key and fleet-tls call them); a machine that
+        # keeps them off the system's PATH (the GPU bench carries its own) still gives them to its hosts.
+        for program in ("nvidia-smi", "ssh-keygen", "openssl"):
+            found = shutil.which(program)
+            if found:
+                _link(Path(found), self.bin_dir / program)
         # A host's downloads leave from its own address (on vast.ai, its machine's public IP): the hub knows
         # whose link a pull runs on, and the cloud bills its traffic.
         aria2c = shutil.which("aria2c")
