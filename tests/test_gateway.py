@@ -152,6 +152,10 @@ async def test_one_url_streams_over_tls_with_an_agent_key_and_answers_models_its
                     chunks.append(line[6:])
         assert chunks[-1] == "[DONE]" and len(chunks) > 3
         assert sum((await served_by_host(gw)).values()) == sum(before.values()) + 1
+    # the gateway timed the streamed answer's first content (not its role-only first delta): one answer, new
+    felt = [h for h in (await gateway.status(gw))["targets"][0]["hosts"] if h["first_content"]]
+    assert [(h["first_content"]["count"], h["warm_turns"]) for h in felt] == [(1, 0)]
+    assert felt[0]["first_content_p50_ms"] > 0
     # the agent's key is not a host's key, and a host's key is not an agent's
     host = gw.record.hosts(states=(HostState.READY,))[0]
     async with client(gw, gw.api_key(host)) as c:
@@ -193,6 +197,26 @@ async def test_each_call_stays_on_its_host_for_twenty_turns_and_its_turns_are_wa
     assert sorted(after[h] - before.get(h, 0) for h in after) == [20, 20]  # every turn on its call's host
     for call, hits in cached.items():
         assert all(n > 0 for n in hits[1:]), f"{call}: a later turn found nothing cached: {hits}"
+    # what the agents felt, per host: 20 answers timed, 19 warm turns, each of them a cache hit, and the
+    # daemon's metrics say the same
+    # admission saw each call's first turn as new and the other 19 as turns of a call whose host lives
+    assert (await gateway.status(gw))["targets"][0]["calls"] == {"new": 2, "turn": 38}
+    hosts = [h for h in (await gateway.status(gw))["targets"][0]["hosts"] if h["host"]]
+    assert sorted((h["first_content"]["count"], h["warm_turns"], h["warm_turns_cached"]) for h in hosts) == [
+        (20, 19, 19),
+        (20, 19, 19),
+    ]
+    assert all(0 < h["first_content_p50_ms"] <= h["first_content_p95_ms"] for h in hosts)
+    assert all(h["cached_tokens"] > h["processed_tokens"] > 0 for h in hosts)
+    families = {f.name: f for f in await asyncio.to_thread(lambda: list(gateway_metrics(gw.settings)))}
+    counts = {
+        s.labels["host"]: s.value
+        for s in families["fleet_gateway_first_content_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    warm = families["fleet_gateway_warm_turns"].samples
+    hits = {s.labels["host"]: s.value for s in warm if s.labels["cache"] == "hit"}
+    assert sorted(counts.values()) == [20, 20] and sorted(hits.values()) == [19, 19]
 
 
 async def chunks(count: int) -> AsyncIterator[bytes]:

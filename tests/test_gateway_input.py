@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleet.core import config
+from fleet.gateway.observed import ObservedError, parse_observed
 from fleet.gateway.runtime import RuntimeApiError, checked, parse_servers_state, parse_table
 from fleet.gateway.targets import address_of
 from tests.fleetkit import without_shipped_serve, write_config
@@ -129,6 +130,38 @@ def test_haproxys_answers_are_read_strictly():
         parse_servers_state(state.replace(" 8 1 1 ", " eight 1 1 "))
     table = parse_table("# table: calls_t0\n0x1: key=call-1 use=0 exp=10 server_id=2 server_key=s1\nnoise\n")
     assert table == {"call-1": {"use": "0", "exp": "10", "server_id": "2", "server_key": "s1"}}
+
+
+def test_what_the_observe_filter_counted_is_read_strictly_and_its_quantiles_interpolated():
+    text = "le 10 25 50\ncalls_t0 s1 4 110.000 1 1 2 0 3 2 300 20\ncalls_t1 s0 0 0.000 0 0 0 0 0 0 0 0\n\n"
+    first, idle = parse_observed(text)
+    assert (first.backend, first.slot, first.buckets, first.warm_turns, first.warm_turns_cached) == (
+        "calls_t0",
+        1,
+        (1, 1, 2, 0),
+        3,
+        2,
+    )
+    # 4 answers: one under 10 ms, one in 10-25, two in 25-50
+    assert first.first_content_ms(0.25) == 10.0
+    assert first.first_content_ms(0.5) == 25.0
+    assert first.first_content_ms(0.95) == pytest.approx(25 + 25 * (3.8 - 2) / 2)
+    assert first.cached_share == pytest.approx(2 / 3)
+    assert idle.first_content_ms(0.5) is None and idle.cached_share is None
+    slow = parse_observed("le 10 25\ncalls_t0 s2 1 900.000 0 0 1 0 0 0 0\n")[0]
+    assert slow.first_content_ms(0.5) == 25.0  # past the last bound: the last bound, never a guess beyond it
+    for bad in (
+        "",
+        "calls_t0 s1 1 1 1 0 0 0 0 0 0\n",  # no bucket line
+        "le 25 10\n",  # bounds that do not rise
+        "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 0 0 0\n",  # a field short
+        "le 10 25\ncalls_t0 x1 1 1.0 1 0 0 0 0 0 0\n",  # not a slot
+        "le 10 25\ncalls_t0 s1 2 1.0 1 0 0 0 0 0 0\n",  # buckets that do not add up to the count
+        "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 1 2 0 0\n",  # more cached than warm turns
+        "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 1 one 0 0\n",  # not a number
+    ):
+        with pytest.raises(ObservedError):
+            parse_observed(bad)
 
 
 async def test_haproxy_starts_from_a_folder_too_deep_for_a_unix_socket_path(tmp_path):

@@ -111,4 +111,16 @@ def _show(status: dict[str, Any]) -> None:
         for h in t["hosts"]:
             render.line(
                 f"    slot {h['slot']:<3} {h['host'] or '-':<32} {h['status']:<10} {h['streams']}/{h['limit']} streams"
+                f"  {_felt(h)}"
             )
+
+
+def _felt(host: dict[str, Any]) -> str:
+    """What the agents felt on a host: first content p50/p95 and the warm turns that hit its cache."""
+    if host["first_content_p50_ms"] is None:
+        first = "first content: no answer yet"
+    else:
+        first = f"first content p50 {host['first_content_p50_ms']:.0f} ms, p95 {host['first_content_p95_ms']:.0f} ms"
+    share = host["warm_turns_cached_share"]
+    cache = f"; {host['warm_turns_cached']}/{host['warm_turns']} warm turns cached" if share is not None else ""
+    return first + cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from apscheduler.jobstores.memory import MemoryJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from sqlmodel import col, select
 
@@ -256,14 +257,37 @@ def gateway_metrics(settings: config.Settings) -> Iterator[Any]:
     )
     streams = GaugeMetricFamily("fleet_gateway_streams", "Streams each host carries now", labels=["target", "host"])
     limit = GaugeMetricFamily("fleet_gateway_limit", "Streams each host may carry", labels=["target", "host"])
+    first = HistogramMetricFamily(
+        "fleet_gateway_first_content_seconds",
+        "From a request entering its target's backend to the first content of its answer, per host",
+        labels=["target", "host"],
+    )
+    warm = CounterMetricFamily(
+        "fleet_gateway_warm_turns", "Turns of calls in progress answered, and those that hit the host's cache",
+        labels=["target", "host", "cache"],
+    )  # fmt: skip
+    tokens = CounterMetricFamily(
+        "fleet_gateway_warm_prompt_tokens", "Warm turns' prompt tokens: taken from the host's cache, or processed",
+        labels=["target", "host", "kind"],
+    )  # fmt: skip
     for t in targets:
         name = f"{t['model']}.{t['region']}"
         for kind, n in sorted(t["calls"].items()):
             requests.add_metric([name, kind], n)
         for h in t["hosts"]:
-            streams.add_metric([name, h["host"]], h["streams"])
-            limit.add_metric([name, h["host"]], h["limit"])
-    yield from (requests, streams, limit)
+            labels = [name, h["host"]]
+            streams.add_metric(labels, h["streams"])
+            limit.add_metric(labels, h["limit"])
+            seen = h.get("first_content")
+            if seen:
+                cumulative = list(itertools.accumulate(seen["buckets"]))
+                buckets = [(f"{b / 1000:g}", n) for b, n in zip(seen["bounds_ms"], cumulative, strict=False)]
+                first.add_metric(labels, [*buckets, ("+Inf", cumulative[-1])], sum_value=seen["sum_ms"] / 1000)
+            warm.add_metric([*labels, "hit"], h["warm_turns_cached"])
+            warm.add_metric([*labels, "miss"], h["warm_turns"] - h["warm_turns_cached"])
+            tokens.add_metric([*labels, "cached"], h["cached_tokens"])
+            tokens.add_metric([*labels, "processed"], h["processed_tokens"])
+    yield from (requests, streams, limit, first, warm, tokens)
 
 
 def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOScheduler:

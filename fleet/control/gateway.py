@@ -18,6 +18,7 @@ from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
 from fleet.core.models import Host
 from fleet.gateway import process
 from fleet.gateway.files import GatewayFiles, files_for
+from fleet.gateway.observed import SlotObserved
 from fleet.gateway.runtime import Runtime
 from fleet.gateway.sync import SyncReport, sync
 from fleet.gateway.targets import Target, targets
@@ -143,11 +144,13 @@ async def targets_now(settings: Settings) -> list[dict[str, Any]]:
     files = files_for(settings)
     rows: list[dict[str, str]] = []
     names: dict[str, str] = {}
+    seen: dict[tuple[str, int], SlotObserved] = {}
     runtime = Runtime(files.socket)
     running = process.running_pid(files) is not None
     if running:
         rows = await runtime.stats()
         names = await runtime.map_entries(files.name_map)
+        seen = {(o.backend, o.slot): o for o in await runtime.observed()}
     listen = settings.gateway.listen
     host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
     out = []
@@ -163,7 +166,9 @@ async def targets_now(settings: Settings) -> list[dict[str, Any]]:
         for row in rows:
             door = row.get("pxname") == target.backend and row.get("svname", "").startswith("s")
             if door and row.get("status") != "MAINT":
-                entry["hosts"].append(_host_row(row, names.get(target.slot_section(int(row["svname"][1:])), "")))
+                slot = int(row["svname"][1:])
+                observed = seen.get((target.backend, slot))
+                entry["hosts"].append(_host_row(row, names.get(target.slot_section(slot), ""), observed))
         if running:
             counts = await runtime.table(f"counts_t{target.index}")
             entry["calls"] = {k: int(v.get("http_req_cnt", 0)) for k, v in counts.items()}
@@ -187,7 +192,9 @@ def line(status: dict[str, Any]) -> str:
     return f"gateway: {'; '.join(parts)}; {len(status['agents'])} agent key(s)"
 
 
-def _host_row(row: dict[str, str], host: str) -> dict[str, Any]:
+def _host_row(row: dict[str, str], host: str, observed: SlotObserved | None) -> dict[str, Any]:
+    """A host as its slot's door shows it, with what the agents felt there since it took the slot: first
+    content (p50, p95 and the histogram the daemon exports) and the share of warm turns that hit its cache."""
     return {
         "slot": int(row["svname"][1:]),
         "host": host,
@@ -195,6 +202,21 @@ def _host_row(row: dict[str, str], host: str) -> dict[str, Any]:
         "streams": int(row.get("scur") or 0),
         "limit": int(row.get("slim") or 0),
         "served": int(row.get("stot") or 0),
+        "first_content_p50_ms": observed.first_content_ms(0.5) if observed else None,
+        "first_content_p95_ms": observed.first_content_ms(0.95) if observed else None,
+        "first_content": {
+            "bounds_ms": list(observed.bounds_ms),
+            "buckets": list(observed.buckets),
+            "count": observed.count,
+            "sum_ms": observed.sum_ms,
+        }
+        if observed
+        else None,
+        "warm_turns": observed.warm_turns if observed else 0,
+        "warm_turns_cached": observed.warm_turns_cached if observed else 0,
+        "warm_turns_cached_share": observed.cached_share if observed else None,
+        "cached_tokens": observed.cached_tokens if observed else 0,
+        "processed_tokens": observed.processed_tokens if observed else 0,
     }
 
 

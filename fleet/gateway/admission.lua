@@ -22,16 +22,11 @@ core.register_fetches("fleet_admit", function(txn, backend)
   end
   local call = txn:get_var("txn.call")
   if call ~= nil and be.stktable ~= nil then
+    -- the entry names its server (server_key, HAProxy 2.6's Lua has no Server:get_puid to match server_id by)
     local entry = be.stktable:lookup(call)
-    if entry ~= nil and entry.server_id ~= nil then
-      for _, srv in pairs(be.servers) do
-        if srv:get_puid() == entry.server_id then
-          if alive(srv:get_stats().status) then
-            return "turn"
-          end
-          break
-        end
-      end
+    local srv = entry ~= nil and entry.server_key ~= nil and be.servers[entry.server_key] or nil
+    if srv ~= nil and alive(srv:get_stats().status) then
+      return "turn"
     end
   end
   for _, srv in pairs(be.servers) do

@@ -67,6 +67,10 @@ class GatewayFiles:
     def lua(self) -> Path:
         return self.directory / "admission.lua"
 
+    @property
+    def observe_lua(self) -> Path:
+        return self.directory / "observe.lua"
+
     def models(self, index: int) -> Path:
         return self.directory / f"models-t{index}.json"
 
@@ -95,10 +99,12 @@ def files_for(settings: Settings) -> GatewayFiles:
 
 
 def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -> None:
-    """The folder, its certificate (the user's, or one fleet's CA signs), the Lua, the maps' empty files."""
+    """The folder, its certificate (the user's, or one fleet's CA signs), the Lua (admission, observation), the
+    maps' empty files."""
     files.directory.mkdir(parents=True, exist_ok=True)
     files.directory.chmod(0o700)
-    write_public(files.lua, resources.files("fleet.gateway").joinpath("admission.lua").read_bytes())
+    for lua in (files.lua, files.observe_lua):
+        write_public(lua, resources.files("fleet.gateway").joinpath(lua.name).read_bytes())
     for map_file in (files.agent_map, files.host_map, files.name_map):
         write_public(map_file, b"")
     _certificate(files, settings, ca)

@@ -7,7 +7,8 @@ Per [[serve]] target:
                         and admitted (admission.lua): a turn of a call goes on, a new call needs a free place
   backend calls_tN      one server per slot, each the internal door of one host_tN_S section: least
                         connections, a stick table from call to server (shared with peers), a retry before
-                        the first byte on another server, a health check through the door every second
+                        the first byte on another server, a health check through the door every second,
+                        and what the agents feel per host (observe.lua: first content, warm turns' cache)
   listen host_tN_S      one host: its key set on the request (from a map that lives in HAProxy's memory
                         alone), TLS to it verified against fleet's CA and its name, connections kept warm
   backend overflow_tN   the hosted API a full target's new calls go to, if one is configured
@@ -39,6 +40,7 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         "global",
         f"  stats socket {files.socket} mode 600 level admin",
         f"  lua-load {files.lua}",
+        f"  lua-load {files.observe_lua}",
         f"  tune.bufsize {BUFFER_BYTES}",
         f"  nbthread {g.threads}",
         "  ssl-server-verify required",
@@ -126,6 +128,7 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
     lines = [
         f"backend {target.backend}",
         "  balance leastconn",
+        "  filter lua.fleet_observe",  # first content and warm turns' cache hits, per host (observe.lua)
         f"  stick-table type string len 128 size {STICK_ENTRIES} expire 1h{' peers fleet' if g.peers else ''}"
         f" store http_req_rate({g.call_idle_s}s)",
         "  stick on var(txn.call)",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.core.errors import FleetError
+from fleet.gateway.observed import SlotObserved, parse_observed
 
 MAX_ANSWER = 4 * 1024 * 1024
 TIMEOUT_S = 5.0
@@ -98,6 +99,13 @@ class Runtime:
     async def map_entries(self, map_file: Path) -> dict[str, str]:
         (text,) = await self.run(checked("show", "map", str(map_file)))
         return parse_map(text)
+
+    async def observed(self) -> list[SlotObserved]:
+        """What observe.lua counted per target backend and host slot (`fleet metrics`)."""
+        (text,) = await self.run("fleet metrics")
+        if refusal(text):
+            raise RuntimeApiError(f"HAProxy has no `fleet metrics`: {refusal(text)}")
+        return parse_observed(text)
 
     async def table(self, name: str) -> dict[str, dict[str, str]]:
         (text,) = await self.run(checked("show", "table", name))

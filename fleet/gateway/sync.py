@@ -103,6 +103,7 @@ async def _slot(
             verb = "set" if section in entries else "add"
             await runtime.must(checked(verb, "map", str(map_file), section, value))
     if held != wanted:
+        await runtime.must(checked("fleet", "forget", target.backend, f"s{slot}"))  # observe.lua's counts: a new host
         await runtime.must(checked("set", "server", server, "addr", member.address, "port", str(member.port)))
         await runtime.must(checked("set", "server", server, "state", "ready"))
         report.added.append(member.host)

@@ -1,0 +1,135 @@
+-- What the agents feel through the gateway, per target backend and host slot (fleet/gateway/haproxy.py puts
+-- this filter on each calls_tN backend; fleet reads it with `fleet metrics` on the admin socket):
+--   first content: from the request entering the backend (admitted, its body read) to the first byte of a
+--     non-empty "content" string in the answer (a streamed delta, or the whole reply when not streamed), as
+--     counts in the buckets of BUCKETS_MS (the last one: every slower answer)
+--   warm turns: the turns of a call in progress (admission said "turn") answered 200, those whose host took
+--     part of the prompt from its cache (its `timings`: cache_n > 0), and the prompt tokens it took from its cache and those it processed
+-- What a host sends is read, never trusted: the reply's last 2 KiB are kept to find its timings, and a count
+-- of more than 9 digits is not a count.
+
+local BUCKETS_MS = { 10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000 }
+local TAIL_BYTES = 2048
+
+local seen = {} -- "backend server" -> { buckets = {...}, count, sum_ms, warm, warm_cached, cached_tokens, processed_tokens }
+
+local function now_ms()
+  local t = core.now()
+  return t.sec * 1000 + t.usec / 1000
+end
+
+local function entry(backend, server)
+  local key = backend .. " " .. server
+  local e = seen[key]
+  if e == nil then
+    e = { buckets = {}, count = 0, sum_ms = 0, warm = 0, warm_cached = 0, cached_tokens = 0, processed_tokens = 0 }
+    for i = 1, #BUCKETS_MS + 1 do
+      e.buckets[i] = 0
+    end
+    seen[key] = e
+  end
+  return e
+end
+
+local function count_of(text, name)
+  local digits = text:match('"' .. name .. '":(%d+)')
+  if digits == nil or #digits > 9 then
+    return nil
+  end
+  return tonumber(digits)
+end
+
+local Observe = {}
+Observe.id = "fleet observe"
+Observe.flags = filter.FLT_CFG_FL_HTX
+Observe.__index = Observe
+
+function Observe:new()
+  return setmetatable({ t0 = nil, first_ms = nil, tail = "", status = nil }, Observe)
+end
+
+function Observe:start_analyze(txn, chn)
+  if not chn:is_resp() then
+    self.t0 = now_ms()
+  end
+end
+
+function Observe:http_headers(txn, msg)
+  if msg.channel:is_resp() then
+    local line = msg:get_stline()
+    self.status = line and tonumber(line.code)
+    filter.register_data_filter(self, msg.channel)
+  end
+end
+
+function Observe:http_payload(txn, msg)
+  local body = msg:body()
+  if body == nil or #body == 0 then
+    return
+  end
+  if self.first_ms == nil and self.t0 ~= nil and body:find('"content":"[^"]') then
+    self.first_ms = now_ms() - self.t0
+  end
+  local tail = self.tail .. body
+  if #tail > TAIL_BYTES then
+    tail = tail:sub(-TAIL_BYTES)
+  end
+  self.tail = tail
+end
+
+function Observe:http_end(txn, msg)
+  if not msg.channel:is_resp() or self.status ~= 200 then
+    return
+  end
+  local e = entry(txn.f:be_name() or "-", txn.f:srv_name() or "-")
+  if self.first_ms ~= nil then
+    local i = 1
+    while i <= #BUCKETS_MS and self.first_ms > BUCKETS_MS[i] do
+      i = i + 1
+    end
+    e.buckets[i] = e.buckets[i] + 1
+    e.count = e.count + 1
+    e.sum_ms = e.sum_ms + self.first_ms
+  end
+  if txn:get_var("txn.admit") == "turn" then
+    local cached, processed = count_of(self.tail, "cache_n"), count_of(self.tail, "prompt_n")
+    e.warm = e.warm + 1
+    if cached ~= nil and cached > 0 then
+      e.warm_cached = e.warm_cached + 1
+    end
+    e.cached_tokens = e.cached_tokens + (cached or 0)
+    e.processed_tokens = e.processed_tokens + (processed or 0)
+  end
+end
+
+core.register_filter("fleet_observe", Observe, function(f)
+  return f
+end)
+
+-- `fleet metrics`: a line of the buckets' upper bounds (ms), then one line a backend and slot:
+--   BACKEND SERVER COUNT SUM_MS BUCKET_1 ... BUCKET_N+1 WARM WARM_CACHED CACHED_TOKENS PROCESSED_TOKENS
+core.register_cli({ "fleet", "metrics" }, "fleet: first content and warm turns per host slot", function(applet)
+  local lines = { "le " .. table.concat(BUCKETS_MS, " ") }
+  for key, e in pairs(seen) do
+    lines[#lines + 1] = string.format(
+      "%s %d %.3f %s %d %d %d %d",
+      key,
+      e.count,
+      e.sum_ms,
+      table.concat(e.buckets, " "),
+      e.warm,
+      e.warm_cached,
+      e.cached_tokens,
+      e.processed_tokens
+    )
+  end
+  applet:send(table.concat(lines, "\n") .. "\n")
+end)
+
+-- `fleet forget BACKEND SERVER`: a new host took the slot; its counts start again.
+core.register_cli({ "fleet", "forget" }, "fleet: forget a host slot's counts", function(applet, _, _, backend, server)
+  if backend ~= nil and server ~= nil then
+    seen[backend .. " " .. server] = nil
+  end
+  applet:send("\n")
+end)

@@ -1,0 +1,80 @@
+"""What the gateway's observe filter (observe.lua) counted, as `fleet metrics` on HAProxy's admin socket prints
+it: per target backend and host slot, first content in buckets, and the warm turns that hit the host's cache.
+Parsed strictly (pure): a line that is not what the filter prints is an error, never a guess."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleet.core.errors import FleetError
+
+
+class ObservedError(FleetError, ValueError):
+    """HAProxy's `fleet metrics` answer is not what observe.lua prints."""
+
+
+@dataclass(frozen=True)
+class SlotObserved:
+    backend: str
+    slot: int
+    bounds_ms: tuple[float, ...]  # the buckets' upper bounds; the last bucket holds every slower answer
+    buckets: tuple[int, ...]  # counts, one more than bounds_ms
+    count: int
+    sum_ms: float
+    warm_turns: int
+    warm_turns_cached: int  # ... whose host took part of the prompt from its cache
+    cached_tokens: int
+    processed_tokens: int
+
+    def first_content_ms(self, q: float) -> float | None:
+        """The q-quantile of first content, interpolated in its bucket (as Prometheus's histogram_quantile
+        does); the last finite bound when it lies in the open bucket; None before any answer."""
+        if self.count == 0:
+            return None
+        rank = q * self.count
+        below = 0
+        for i, n in enumerate(self.buckets):
+            if n and below + n >= rank:
+                if i == len(self.bounds_ms):
+                    return self.bounds_ms[-1]
+                low = self.bounds_ms[i - 1] if i else 0.0
+                return low + (self.bounds_ms[i] - low) * (rank - below) / n
+            below += n
+        return self.bounds_ms[-1]
+
+    @property
+    def cached_share(self) -> float | None:
+        """The share of warm turns whose host reused its cache (None before any)."""
+        return self.warm_turns_cached / self.warm_turns if self.warm_turns else None
+
+
+def parse_observed(text: str) -> list[SlotObserved]:
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("le "):
+        raise ObservedError(f"`fleet metrics` answered {text[:80]!r}: no bucket line")
+    try:
+        bounds = tuple(float(x) for x in lines[0].split()[1:])
+    except ValueError:
+        raise ObservedError(f"`fleet metrics`: bucket bounds {lines[0][:80]!r}") from None
+    if not bounds or list(bounds) != sorted(set(bounds)):
+        raise ObservedError(f"`fleet metrics`: bucket bounds {lines[0][:80]!r} do not rise")
+    width = 2 + 2 + len(bounds) + 1 + 4
+    out = []
+    for line in lines[1:]:
+        fields = line.split()
+        if len(fields) != width or not fields[1].startswith("s") or not fields[1][1:].isdigit():
+            raise ObservedError(f"`fleet metrics`: {line[:80]!r} is not a slot's line")
+        try:
+            count, sum_ms = int(fields[2]), float(fields[3])
+            buckets = tuple(int(x) for x in fields[4 : 5 + len(bounds)])
+            warm, cached, cached_tokens, processed = (int(x) for x in fields[5 + len(bounds) :])
+        except ValueError:
+            raise ObservedError(f"`fleet metrics`: {line[:80]!r} holds something not a number") from None
+        if sum(buckets) != count or min(count, warm, cached, cached_tokens, processed, *buckets) < 0 or cached > warm:
+            raise ObservedError(f"`fleet metrics`: {line[:80]!r} does not add up")
+        out.append(
+            SlotObserved(
+                fields[0], int(fields[1][1:]), bounds, buckets, count, sum_ms, warm, cached, cached_tokens, processed
+            )
+        )
+    return out
