@@ -5,8 +5,8 @@
 --     counts in the buckets of BUCKETS_MS (the last one: every slower answer)
 --   warm turns: the turns of a call in progress (admission said "turn") answered 200, those whose host took
 --     part of the prompt from its cache (its `timings`: cache_n > 0), and the prompt tokens it took from its cache and those it processed
--- What a host sends is read, never trusted: the reply's last 2 KiB are kept to find its timings, and a count
--- of more than 9 digits is not a count.
+-- What a host sends is read, never trusted: the reply's last 2 KiB (of its last two pieces) are searched for its
+-- timings, and a count of more than 9 digits is not a count.
 
 local BUCKETS_MS = { 10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000 }
 local TAIL_BYTES = 2048
@@ -45,7 +45,7 @@ Observe.flags = filter.FLT_CFG_FL_HTX
 Observe.__index = Observe
 
 function Observe:new()
-  return setmetatable({ t0 = nil, first_ms = nil, tail = "", status = nil }, Observe)
+  return setmetatable({ t0 = nil, first_ms = nil, before = nil, last = nil, status = nil }, Observe)
 end
 
 function Observe:start_analyze(txn, chn)
@@ -70,11 +70,9 @@ function Observe:http_payload(txn, msg)
   if self.first_ms == nil and self.t0 ~= nil and body:find('"content":"[^"]') then
     self.first_ms = now_ms() - self.t0
   end
-  local tail = self.tail .. body
-  if #tail > TAIL_BYTES then
-    tail = tail:sub(-TAIL_BYTES)
-  end
-  self.tail = tail
+  -- the last two pieces, kept as they came (a stream's timings ride its last event, before [DONE]): joined
+  -- once at the end, never per piece, which would cost every token a copy
+  self.before, self.last = self.last, body
 end
 
 function Observe:http_end(txn, msg)
@@ -92,7 +90,9 @@ function Observe:http_end(txn, msg)
     e.sum_ms = e.sum_ms + self.first_ms
   end
   if txn:get_var("txn.admit") == "turn" then
-    local cached, processed = count_of(self.tail, "cache_n"), count_of(self.tail, "prompt_n")
+    local tail = (self.before or "") .. (self.last or "")
+    tail = tail:sub(-TAIL_BYTES)
+    local cached, processed = count_of(tail, "cache_n"), count_of(tail, "prompt_n")
     e.warm = e.warm + 1
     if cached ~= nil and cached > 0 then
       e.warm_cached = e.warm_cached + 1
