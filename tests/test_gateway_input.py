@@ -3,6 +3,7 @@ what reaches HAProxy's admin socket or its configuration is checked word by word
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -193,3 +194,40 @@ async def test_haproxy_starts_from_a_folder_too_deep_for_a_unix_socket_path(tmp_
     finally:
         assert await process.stop(files) == pid
     assert process.running_pid(files) is None and not files.socket.exists()
+
+
+async def test_an_haproxy_without_the_observe_filter_reports_nothing_observed_and_takes_hosts_still(tmp_path):
+    """A gateway an older fleet started has no `fleet metrics` or `fleet forget` on its admin socket: status
+    shows nothing observed, and a sync that forgets a slot's counts goes on."""
+    import signal
+
+    from fleet.gateway.process import haproxy_binary
+    from fleet.gateway.runtime import Runtime
+    from tests.test_gateway import free_port
+
+    socket_path = tmp_path / "admin.sock"
+    (tmp_path / "old.cfg").write_text(
+        f"global\n  stats socket {socket_path} mode 600 level admin\n"
+        "defaults\n  mode http\n  timeout connect 1s\n  timeout client 5s\n  timeout server 5s\n"
+        f"frontend fe\n  bind 127.0.0.1:{free_port()}\n  http-request return status 200\n"
+    )
+    started = subprocess.run(
+        [haproxy_binary(), "-D", "-p", str(tmp_path / "pid"), "-f", str(tmp_path / "old.cfg")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert started.returncode == 0, started.stderr
+    pid = int((tmp_path / "pid").read_text().split()[0])
+    try:
+        runtime = Runtime(socket_path)
+        assert await runtime.observed() == []
+        (answer,) = await runtime.run(checked("fleet", "forget", "calls_t0", "s1"))
+        assert "Unknown command" in answer  # said, not raised: the sync goes on
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            await asyncio.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()

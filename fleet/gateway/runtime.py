@@ -101,10 +101,11 @@ class Runtime:
         return parse_map(text)
 
     async def observed(self) -> list[SlotObserved]:
-        """What observe.lua counted per target backend and host slot (`fleet metrics`)."""
+        """What observe.lua counted per target backend and host slot (`fleet metrics`); nothing from an HAProxy
+        started without it."""
         (text,) = await self.run("fleet metrics")
-        if refusal(text):
-            raise RuntimeApiError(f"HAProxy has no `fleet metrics`: {refusal(text)}")
+        if refusal(text):  # an HAProxy an older fleet started, without observe.lua: nothing observed
+            return []
         return parse_observed(text)
 
     async def table(self, name: str) -> dict[str, dict[str, str]]:

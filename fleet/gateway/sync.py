@@ -103,7 +103,9 @@ async def _slot(
             verb = "set" if section in entries else "add"
             await runtime.must(checked(verb, "map", str(map_file), section, value))
     if held != wanted:
-        await runtime.must(checked("fleet", "forget", target.backend, f"s{slot}"))  # observe.lua's counts: a new host
+        # observe.lua's counts start again for the new host (an HAProxy started by an older fleet has no such
+        # command: it keeps serving, its counts unreset, until it is started again)
+        await runtime.run(checked("fleet", "forget", target.backend, f"s{slot}"))
         await runtime.must(checked("set", "server", server, "addr", member.address, "port", str(member.port)))
         await runtime.must(checked("set", "server", server, "state", "ready"))
         report.added.append(member.host)
