@@ -162,6 +162,7 @@ def decode() -> None:
     for name, tls in (("llama-server alone, HTTP", False), ("llama-server alone, HTTPS", True)):
         log(f"{name}: the profile's flags alone, fleet's bench at 1-8 callers")
         rows[name] = served.alone(binary, MODEL, flags, 8, tls)
+        keep(rows)
     start_cloud()
     try:
         host, up_s = up()
@@ -169,6 +170,7 @@ def decode() -> None:
         report = json.loads(result.stdout)
         (OUT / "fleet-bench.json").write_text(json.dumps(report, indent=1))
         rows["fleet host (fleet bench: HTTPS, the local cloud's forwarder)"] = report["levels"]
+        keep(rows)
         log("the host through the gateway, then directly")
         pair = served.through_gateway(host, 8)
         rows["fleet host through the gateway (HAProxy, TLS both hops)"] = pair["gateway"]
@@ -176,7 +178,7 @@ def decode() -> None:
         (LOGS / "fleet-status.json").write_text(fleet("status", "--json").stdout)
     finally:
         tear_down()
-    (OUT / "served.json").write_text(json.dumps(rows, indent=1))
+    keep(rows)
     depth = int(rows["llama-server alone, HTTP"][0]["prompt_tokens"])  # where callers decode: llama.cpp's runs too
     bench_rates = llama_bench((0, depth))
     batched = batched_bench(depth, [1, 2, 4, 8])
@@ -228,6 +230,11 @@ def decode() -> None:
     text = "\n".join(lines) + "\n"
     (OUT / "decode.md").write_text(text)
     print(text)
+
+
+def keep(rows: dict[str, list[dict]]) -> None:
+    """The served rows so far, in $OUT: a call cut off at its time limit still brings back what it measured."""
+    (OUT / "served.json").write_text(json.dumps(rows, indent=1))
 
 
 def _ratio_of(a: float | None, b: float | None) -> str:
