@@ -4,14 +4,16 @@
 --     non-empty "content" string in the answer (a streamed delta, or the whole reply when not streamed), as
 --     counts in the buckets of BUCKETS_MS (the last one: every slower answer)
 --   warm turns: the turns of a call in progress (admission said "turn") answered 200, those whose host took
---     part of the prompt from its cache (its `timings`: cache_n > 0), and the prompt tokens it took from its cache and those it processed
+--     part of the prompt from its cache (its `timings`: cache_n > 0), and the prompt tokens it took from its
+--     cache and those it processed
 -- What a host sends is read, never trusted: the reply's last 2 KiB (of its last two pieces) are searched for its
 -- timings, and a count of more than 9 digits is not a count.
 
 local BUCKETS_MS = { 10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000 }
 local TAIL_BYTES = 2048
 
-local seen = {} -- "backend server" -> { buckets = {...}, count, sum_ms, warm, warm_cached, cached_tokens, processed_tokens }
+-- "backend server" -> { buckets = {...}, count, sum_ms, warm, warm_cached, cached_tokens, processed_tokens }
+local seen = {}
 
 local function now_ms()
   local t = core.now()
