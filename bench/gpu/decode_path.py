@@ -38,11 +38,10 @@ from typing import Any
 import httpx
 
 from fleet.core import config
-from fleet.probes.bench import Caller, fit_call
+from fleet.probes.bench import fit_call, speak_waves
 from fleet.probes.call import load_call
 from fleet.probes.runner import run_probes
 from fleet.probes.server import Server
-from fleet.probes.stream import ChatResult
 
 MAX_TOKENS = 128
 LEVELS = (1, 2)  # the loss shows at 2 callers (and 4); a short run leaves device time for the rows of decode
@@ -119,16 +118,8 @@ async def bench_pass(server: Server) -> tuple[list[dict[str, Any]], list[str], f
     before, started = cpu_seconds(), time.monotonic()
     rows = []
     for n in LEVELS:
-        people = [Caller(server, call, offset=i * 3, max_tokens=MAX_TOKENS) for i in range(n)]
-        replies: list[ChatResult] = []
-        try:
-            for wave in range(1 + 1 + WAVES):
-                results = await asyncio.gather(*(p.speak() for p in people))
-                if wave >= 2:
-                    replies += results
-        finally:
-            for p in people:
-                await p.conn.close()
+        measured, _ = await speak_waves(server, call, n, WAVES, 1, MAX_TOKENS)
+        replies = [r for _, wave in measured for r in wave]
         good = [r for r in replies if r.status == 200 and not r.error]
         rows.append(
             {
@@ -136,7 +127,7 @@ async def bench_pass(server: Server) -> tuple[list[dict[str, Any]], list[str], f
                 "errors": len(replies) - len(good),
                 "decode_per_caller_tok_s": _median([r.decode_tok_s for r in good]),
                 "claimed_tok_s": _median([r.served.predicted_per_second for r in good]),
-                "delivered_tok_s": _median([_delivered(r) for r in good]),
+                "delivered_tok_s": _median([r.delivered_tok_s for r in good]),
                 "first_content_ms": _median([r.timing.first_content_ms for r in good]),
                 "prompt_tokens": _median([r.usage.get("prompt_tokens") for r in good]),
                 "cache_n": _median([r.served.cache_n for r in good]),
@@ -149,14 +140,6 @@ async def bench_pass(server: Server) -> tuple[list[dict[str, Any]], list[str], f
 def _median(values: list[Any]) -> float | None:
     numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
     return statistics.median(numbers) if numbers else None
-
-
-def _delivered(r: ChatResult) -> float | None:
-    tokens = r.usage.get("completion_tokens")
-    first = r.timing.first_content_ms
-    if not isinstance(tokens, int) or first is None or tokens < 2 or r.timing.total_ms <= first:
-        return None
-    return (tokens - 1) / ((r.timing.total_ms - first) / 1000)
 
 
 def wait_health(url: str, context: ssl.SSLContext | None, pid: int, timeout_s: float = 240) -> None:

@@ -18,7 +18,7 @@ from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
 from fleet.core.models import Host
 from fleet.gateway import process
 from fleet.gateway.files import GatewayFiles, files_for
-from fleet.gateway.observed import SlotObserved
+from fleet.gateway.observed import NOTHING_OBSERVED, SlotObserved
 from fleet.gateway.runtime import Runtime
 from fleet.gateway.sync import SyncReport, sync
 from fleet.gateway.targets import Target, targets
@@ -202,21 +202,7 @@ def _host_row(row: dict[str, str], host: str, observed: SlotObserved | None) -> 
         "streams": int(row.get("scur") or 0),
         "limit": int(row.get("slim") or 0),
         "served": int(row.get("stot") or 0),
-        "first_content_p50_ms": observed.first_content_ms(0.5) if observed else None,
-        "first_content_p95_ms": observed.first_content_ms(0.95) if observed else None,
-        "first_content": {
-            "bounds_ms": list(observed.bounds_ms),
-            "buckets": list(observed.buckets),
-            "count": observed.count,
-            "sum_ms": observed.sum_ms,
-        }
-        if observed
-        else None,
-        "warm_turns": observed.warm_turns if observed else 0,
-        "warm_turns_cached": observed.warm_turns_cached if observed else 0,
-        "warm_turns_cached_share": observed.cached_share if observed else None,
-        "cached_tokens": observed.cached_tokens if observed else 0,
-        "processed_tokens": observed.processed_tokens if observed else 0,
+        **(observed.summary() if observed else NOTHING_OBSERVED),
     }
 
 

@@ -5,6 +5,7 @@ Parsed strictly (pure): a line that is not what the filter prints is an error, n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fleet.core.errors import FleetError
 
@@ -46,6 +47,37 @@ class SlotObserved:
     def cached_share(self) -> float | None:
         """The share of warm turns whose host reused its cache (None before any)."""
         return self.warm_turns_cached / self.warm_turns if self.warm_turns else None
+
+    def summary(self) -> dict[str, Any]:
+        """What `fleet gateway status` shows of it (and the daemon exports): first content p50, p95 and its
+        histogram, and the warm turns with their cache hits and prompt tokens."""
+        return {
+            "first_content_p50_ms": self.first_content_ms(0.5),
+            "first_content_p95_ms": self.first_content_ms(0.95),
+            "first_content": {
+                "bounds_ms": list(self.bounds_ms),
+                "buckets": list(self.buckets),
+                "count": self.count,
+                "sum_ms": self.sum_ms,
+            },
+            "warm_turns": self.warm_turns,
+            "warm_turns_cached": self.warm_turns_cached,
+            "warm_turns_cached_share": self.cached_share,
+            "cached_tokens": self.cached_tokens,
+            "processed_tokens": self.processed_tokens,
+        }
+
+
+NOTHING_OBSERVED: dict[str, Any] = {
+    "first_content_p50_ms": None,
+    "first_content_p95_ms": None,
+    "first_content": None,
+    "warm_turns": 0,
+    "warm_turns_cached": 0,
+    "warm_turns_cached_share": None,
+    "cached_tokens": 0,
+    "processed_tokens": 0,
+}
 
 
 def parse_observed(text: str) -> list[SlotObserved]:

@@ -113,15 +113,11 @@ class Caller:
         return result
 
 
-async def run_level(
-    server: Server,
-    call: Call,
-    callers: int,
-    waves: int,
-    warmup: int,
-    max_tokens: int,
-    one_caller_decode: float | None,
-) -> LevelResult:
+async def speak_waves(
+    server: Server, call: Call, callers: int, waves: int, warmup: int, max_tokens: int
+) -> tuple[list[tuple[float, list[ChatResult]]], int]:
+    """`callers` callers speaking in waves (a cold wave and `warmup` discarded): each measured wave's wall
+    time and replies, and how many times a caller had to connect again."""
     people = [Caller(server, call, offset=i * 3, max_tokens=max_tokens) for i in range(callers)]
     measured: list[tuple[float, list[ChatResult]]] = []
     try:
@@ -133,7 +129,19 @@ async def run_level(
     finally:
         for p in people:
             await p.conn.close()
-    reconnects = sum(max(p.conn.opened - 1, 0) for p in people)
+    return measured, sum(max(p.conn.opened - 1, 0) for p in people)
+
+
+async def run_level(
+    server: Server,
+    call: Call,
+    callers: int,
+    waves: int,
+    warmup: int,
+    max_tokens: int,
+    one_caller_decode: float | None,
+) -> LevelResult:
+    measured, reconnects = await speak_waves(server, call, callers, waves, warmup, max_tokens)
     return summarize(callers, measured, one_caller_decode, reconnects)
 
 

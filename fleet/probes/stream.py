@@ -94,21 +94,27 @@ class ChatResult:
         return Timings.of(self.server_timings)
 
     @property
-    def decode_tok_s(self) -> float | None:
-        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here:
-        the tokens it counts (no more than were asked for) after the first, over this clock's time from
-        the first content to the end. A host cannot flatter its decode much past what it delivered; the
-        slack covers this client's own lag on a busy machine."""
-        claimed = self.served.predicted_per_second
+    def delivered_tok_s(self) -> float | None:
+        """What arrived here: the tokens the server counts (no more than were asked for) after the first, over
+        this clock's time from the first content to the end; None when that says nothing."""
         tokens = self.usage.get("completion_tokens") or self.served.predicted_n
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             tokens = self.served.predicted_n
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
         first = self.timing.first_content_ms
-        if claimed is None or first is None or tokens < 2 or self.timing.total_ms <= first:
+        if first is None or tokens < 2 or self.timing.total_ms <= first:
+            return None
+        return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here. A
+        host cannot flatter its decode much past what it delivered; the slack covers this client's own lag
+        on a busy machine."""
+        claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
+        if claimed is None or delivered is None:
             return claimed
-        delivered = (tokens - 1) / ((self.timing.total_ms - first) / 1000)
         return min(claimed, delivered * DECODE_SLACK)
 
     def as_response(self) -> dict[str, Any]:
