@@ -1,27 +1,34 @@
 #!/usr/bin/env python3
-"""Two calls decoding at once: on neighbouring slots, on slots apart, and with one unified KV cache, side by
-side on one llama-server build in one run.
+"""Calls decoding at once on neighbouring slots and on slots apart, with a KV cache stream per slot and with
+the one shared cache fleet runs, with and without idle calls held in the other slots: side by side on one
+llama-server build in one run.
 
 llama-server started with `-np N` keeps one KV cache stream per slot. llama.cpp batches the concurrent
 slots of a decode step into one micro-batch only while their sequence ids (the slot ids) are consecutive
 (llama_batch_allocr::split_equal with `sequential`, which the multi-stream cache asks for): two calls on
 slots 0 and 2 cost two forward passes a step, each reading every weight once. On a card, where a step
-reads the weights and costs the same for one token or two, that halves each caller's decode (bench/gpu/run
-path: 137 against 64 tok/s per caller on an H200). Which slots a host's calls land on is its history's
-doing (earlier calls, fleet's probes), so a fresh server (slots taken in order) hides it.
+reads the weights and costs the same for one token or two, that halves each caller's decode. Which slots a
+host's calls land on is its history's doing (earlier calls, fleet's probes), so a fresh server hides it.
+One shared cache (`-kvu`, what fleet adds to a multi-slot profile: fleet/engines/llama_server.py
+cache_args) joins any slots in one pass, but a step's attention then reads the cached cells of every call
+the host holds, the idle ones too: the rows with every other slot holding an idle call at the same depth
+show what that costs.
 
-Each row pins two streamed completions to two slots (`id_slot`) and reads the server's own counters: its
-decode rate for each, and how many of the steps reused the previous step's graph ("graphs reused" in its
-log): a step that decodes both calls in one pass reuses it, passes that alternate between two streams
-never do. The counts show the mechanism on any machine; the rates, on this CPU, only its direction.
+Each row pins its calls to their slots (`id_slot`), each call's prompt `--depth` tokens deep and cached
+before the row, and reads the server's own counters: its decode rate for each call, and how many of the
+steps reused the previous step's graph ("graphs reused" in its log): a step that decodes every call in one
+pass reuses it, passes that alternate between streams never do. The counts show the mechanism on any
+machine; the rates, on this CPU, only its direction (bench/gpu/run slots measures them on a card).
 
-Usage: .venv/bin/python bench/slots.py [--tokens 400]
+Usage: .venv/bin/python bench/slots.py [--tokens 300] [--depth 300]
+       bench/slots.py --profile NAME --model FILE --binary PATH [--depth N] [--json OUT]   (bench/gpu/run slots)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -30,45 +37,77 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from fleet.core import config
+from fleet.core.config import Profile
+from fleet.engines.llama_server import KV_LAYOUT, cache_args
 from fleet.localcloud import tinymodels, toolchain
 from fleet.localcloud.network import free_port
 
-PAIRS = ((0, 1), (0, 2), (1, 3))
 REUSED = re.compile(r"graphs reused =\s+(\d+)")
+WORDS = "the caller asked about the delivery window and the agent read the order back to them "
 
 
-def serve(binary: Path, model: Path, port: int, flags: list[str], log: Path) -> subprocess.Popen:
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "16384", "-np", "4"]
+def serve(binary: Path, model: Path, port: int, flags: list[str], log: Path, timeout_s: float) -> subprocess.Popen:
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
     with log.open("w") as out:
-        process = subprocess.Popen(
-            [*argv, "-t", "1", *flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)
+    stop(process)
     raise SystemExit(f"llama-server did not start: {log.read_text()[-2000:]}")
 
 
-async def pair(port: int, slots: tuple[int, int], tokens: int) -> list[float]:
-    async with httpx.AsyncClient(timeout=120) as client:
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
 
-        async def one(slot: int) -> float:
-            body = {"prompt": f"call {slot}: " + "hello " * 50, "n_predict": tokens, "id_slot": slot,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
-            reply = await client.post(f"http://127.0.0.1:{port}/completion", json=body)
-            reply.raise_for_status()
-            return float(reply.json()["timings"]["predicted_per_second"])
 
-        return list(await asyncio.gather(*(one(s) for s in slots)))
+def prompt(slot: int, depth: int) -> str:
+    """A call's own prompt of about `depth` tokens (one token a character on fleet's byte-level test models)."""
+    head = f"call {slot}: "
+    return head + (WORDS * (depth // len(WORDS) + 1))[: max(depth - len(head), 1)]
+
+
+async def complete(client: httpx.AsyncClient, port: int, slot: int, depth: int, tokens: int) -> float:
+    body = {"prompt": prompt(slot, depth), "n_predict": tokens, "id_slot": slot, "temperature": 0,
+            "ignore_eos": True, "cache_prompt": True}  # fmt: skip
+    reply = await client.post(f"http://127.0.0.1:{port}/completion", json=body)
+    if reply.status_code != 200:
+        raise SystemExit(f"slot {slot}: llama-server answered {reply.status_code}: {reply.text[:500]}")
+    return float(reply.json()["timings"]["predicted_per_second"])
+
+
+async def hold(port: int, slots: list[int], depth: int) -> None:
+    """Each slot holds a call of `depth` tokens, idle (one token generated), one after another."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        for slot in slots:
+            await complete(client, port, slot, depth, 1)
+
+
+async def erase(port: int, slots: list[int]) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        for slot in slots:
+            (await client.post(f"http://127.0.0.1:{port}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+
+
+async def speak(port: int, slots: tuple[int, ...], depth: int, tokens: int) -> list[float]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return list(await asyncio.gather(*(complete(client, port, s, depth, tokens) for s in slots)))
 
 
 def reused(log: Path) -> int:
@@ -76,41 +115,114 @@ def reused(log: Path) -> int:
     return int(found[-1]) if found else 0
 
 
+def layouts(profile: Profile) -> list[tuple[str, list[str]]]:
+    """(name, flags): a stream per slot, and the shared cache fleet adds, each over the profile's other flags."""
+    base = [a for a in profile.args if a not in KV_LAYOUT]
+    shared = cache_args(profile.model_copy(update={"args": base}))
+    return [("a stream per slot (-no-kvu)", [*base, "-no-kvu"]), ("one shared cache (fleet's)", [*base, *shared])]
+
+
+def call_sets(slots: int) -> list[tuple[int, ...]]:
+    sets: list[tuple[int, ...]] = [(0, 1), (0, 2)]
+    if slots >= 4:
+        sets.append((1, 3))
+    if slots >= 8:
+        sets += [(0, 1, 2, 3), (0, 2, 4, 6)]
+    return sets
+
+
+def measure(
+    binary: Path, model: Path, profile: Profile, depth: int, tokens: int, work: Path, keep: Path | None
+) -> list[dict[str, Any]]:
+    """Every row; each also written to `keep` as it is measured (a run cut off brings back what it measured)."""
+    rows: list[dict[str, Any]] = []
+    everyone = list(range(profile.slots))
+    for name, flags in layouts(profile):
+        log = work / f"server-{len(rows)}.log"
+        port = free_port()
+        saves = work / "saves"  # a slot is erased through /slots, which wants a folder for saves it is never asked
+        saves.mkdir(exist_ok=True)
+        process = serve(binary, model, port, [*flags, "--slot-save-path", str(saves)], log, timeout_s=600)
+        try:
+            for idle in (False, True):
+                if idle:
+                    asyncio.run(hold(port, everyone, depth))
+                for calls in call_sets(profile.slots):
+                    others = [s for s in everyone if s not in calls]
+                    if not idle:
+                        asyncio.run(erase(port, others))
+                    asyncio.run(hold(port, list(calls), depth))  # the calls' own history, cached before the row
+                    before = reused(log)
+                    rates = asyncio.run(speak(port, calls, depth, tokens))
+                    time.sleep(0.3)  # the last reply's timing line reaches the log
+                    rows.append({"cache": name, "calls": list(calls), "idle_calls": len(others) if idle else 0,
+                                 "depth": depth, "tokens": tokens, "tok_s_per_call": sum(rates) / len(rates),
+                                 "one_pass_steps": reused(log) - before})  # fmt: skip
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    if keep:
+                        keep.write_text(json.dumps(rows, indent=1))
+        finally:
+            stop(process)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    best = {  # the neighbouring slots of a fresh server with a stream per slot: the rate llama.cpp's own bench shows
+        len(r["calls"]): r["tok_s_per_call"]
+        for r in rows
+        if r["calls"] == list(range(len(r["calls"]))) and r["idle_calls"] == 0 and r["cache"].startswith("a stream")
+    }
+    lines = [
+        f"| KV cache | speaking calls on slots | idle calls held | tok/s per call | / neighbours, a stream per slot, "
+        f"no idle | of the {rows[0]['tokens']} steps, one pass for all |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        rate = r["tok_s_per_call"]
+        lines.append(f"| {r['cache']} | {', '.join(map(str, r['calls']))} | {r['idle_calls']} | {rate:.1f} | "
+                     f"{rate / best[len(r['calls'])]:.2f} | {r['one_pass_steps']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=400, help="tokens each call decodes")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens each call decodes")
+    parser.add_argument("--depth", type=int, default=300, help="tokens of each call's prompt")
+    parser.add_argument("--profile", help="a profile of FLEET_CONFIG (its flags and slots); default: 4 tiny slots")
+    parser.add_argument("--model", type=Path, help="the profile's model file (with --profile)")
+    parser.add_argument("--binary", type=Path, help="llama-server (default: the local build)")
+    parser.add_argument("--json", type=Path, help="write the rows here too, each as it is measured")
     args = parser.parse_args()
-    if args.tokens < 16:
-        print("error: --tokens takes 16 or more", file=sys.stderr)
+    if args.tokens < 16 or args.depth < 16:
+        print("error: --tokens and --depth take 16 or more", file=sys.stderr)
         return 2
-    binary = toolchain.llama_server_path()
-    if binary is None:
+    if (args.profile is None) != (args.model is None):
+        print("error: --profile and --model go together", file=sys.stderr)
+        return 2
+    binary = args.binary or toolchain.llama_server_path()
+    if binary is None or not binary.exists():
         print("error: no llama-server built: run scripts/build-llama-server", file=sys.stderr)
         return 2
-    rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        model = tinymodels.generate("tiny", tmp / "tiny.gguf")
-        for cache, flags in (("one stream per slot (-np 4)", []), ("unified (-np 4 -kvu)", ["-kvu"])):
-            log = tmp / f"{len(rows)}.log"
-            port = free_port()
-            process = serve(binary, model, port, flags, log)
+        work = Path(tmp_name)
+        if args.profile:
             try:
-                for slots in PAIRS:
-                    before = reused(log)
-                    rates = asyncio.run(pair(port, slots, args.tokens))
-                    time.sleep(0.2)  # the second reply's timing line reaches the log
-                    rows.append((cache, slots, rates, reused(log) - before))
-            finally:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=30)
-    adjacent = {cache: sum(r) / 2 for cache, slots, r, _ in rows if slots == (0, 1)}
-    print(f"| KV cache | slots | tok/s per call | / slots 0 and 1 | of the {args.tokens} steps, one pass for both |")
-    print("| --- | --- | ---: | ---: | ---: |")
-    for cache, slots, rates, steps in rows:
-        mean = sum(rates) / 2
-        print(f"| {cache} | {slots[0]} and {slots[1]} | {mean:.0f} | {mean / adjacent[cache]:.2f} | "
-              f"{steps} |")  # fmt: skip
+                profile = config.load().profile(args.profile)
+            except config.ConfigError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            model = args.model
+        else:
+            slots, ctx = 4, 4096
+            profile = Profile(name="tiny", gpu_ram_gb=0, disk_gb=10, slots=slots, ctx_per_slot=ctx,
+                              files=[{"key": "main", "repo": "fleet-local/tiny-models", "file": "tiny.gguf"}],
+                              args=["-c", str(slots * ctx), "-np", str(slots), "-t", "1"])  # fmt: skip
+            model = tinymodels.generate("tiny", work / "tiny.gguf")
+        if args.depth + args.tokens >= profile.ctx_per_slot:
+            print(f"error: --depth plus --tokens must fit a slot ({profile.ctx_per_slot})", file=sys.stderr)
+            return 2
+        rows = measure(binary, model, profile, args.depth, args.tokens, work, args.json)
+    print(table(rows))
     return 0
 
 

@@ -11,7 +11,7 @@ from sqlmodel import SQLModel
 
 from fleet.core import config
 from fleet.core import record as db
-from fleet.engines.llama_server import server_argv
+from fleet.engines.llama_server import cache_args, server_argv
 from fleet.probes import template as chat_template
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,21 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
     assert argv[argv.index("--chat-template-file") + 1] == "fleet-run/chat-template.jinja"
     assert not any("{file." in a for a in argv)
     assert "--chat-template-file" not in server_argv(settings.profile("tiny"), 41000, {"main": "m.gguf"})
+
+
+def test_a_multi_slot_host_gets_one_kv_cache_with_its_slots_held_to_their_context_unless_the_profile_chooses():
+    settings = config.load(ROOT / "fleet.toml")
+    a4b = settings.profile("a4b")  # 3 slots of 32k, says --no-cache-idle-slots itself
+    argv = server_argv(a4b, 41000, {"main": "m.gguf", "draft": "d.gguf"})
+    assert argv[argv.index("-kvu") + 1 : argv.index("-kvu") + 3] == ["--kv-unified-per-slot", "32768"]
+    assert argv.count("--no-cache-idle-slots") == 1
+    twelve = server_argv(settings.profile("12b"), 41000, {"main": "m.gguf"})  # says nothing of idle slots
+    assert "-kvu" in twelve and "--no-cache-idle-slots" in twelve  # an idle call's cache stays on the card
+    assert cache_args(settings.profile("tiny")) == []  # one slot: nothing to join
+    assert cache_args(a4b.model_copy(update={"args": [*a4b.args, "-no-kvu"]})) == []
+    idle = [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["--cache-idle-slots"]
+    kept = a4b.model_copy(update={"args": idle})
+    assert cache_args(kept) == ["-kvu", "--kv-unified-per-slot", "32768"]
 
 
 def test_every_shipped_profile_passes_its_template_check_or_accepts_the_break():

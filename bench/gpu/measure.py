@@ -8,6 +8,9 @@
            loaded by llama-server with its profile's flags at several slot counts; `fleet plan`'s terms
            against llama-server's own buffer lines and nvidia-smi's memory.used of the process.
   replan   PLAN_JSON: a recorded plan run's table with the planner as it is now (anywhere, no GPU).
+  slots    calls on neighbouring slots and on slots apart, a KV cache stream per slot against the shared
+           cache fleet runs, with and without idle calls held in the other slots (bench/slots.py), at the
+           bench's depth and at a shorter one
   path     where served decode is lost on fleet's path: a fleet host, then its server taken apart one
            difference at a time (decode_path.py)
   thermal  `fleet up`, then `fleet probe HOST --only thermal` for the profile's 5 minutes, with the raw
@@ -32,6 +35,7 @@ import gguf
 import served
 
 from fleet.core import config
+from fleet.engines.llama_server import profile_args
 from fleet.localcloud import control, replicas
 from fleet.localcloud.bigmodels import NEMO_12B
 from fleet.plan.allocations import Allocations, parse_buffer_lines
@@ -45,6 +49,7 @@ LOGS = OUT / "logs"  # bench/gpu/run packs these into one archive: few files com
 G = Path(os.environ.get("FLEET_GPU_DIR", "/tmp/fleet-gpu"))
 MODEL = G / "models" / "nemo-12b-shape-Q8_0.gguf"
 PROFILE = "h200-12b"
+SLOT_DEPTHS = (13620, 4000)  # fleet bench's depth on this profile, and a shorter call's
 # f16 K and V of every layer: 40 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
 KV_BYTES_PER_TOKEN = NEMO_12B.n_layer * NEMO_12B.n_head_kv * NEMO_12B.head_dim * 2 * 2
 
@@ -157,7 +162,7 @@ def decode() -> None:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
     per_token = bytes_per_token(MODEL)
     binary = Path(os.environ["FLEET_LLAMA_SERVER"])
-    flags = config.load().profile(PROFILE).args
+    flags = profile_args(config.load().profile(PROFILE))  # as fleet runs them: its cache layout too
     rows: dict[str, list[dict]] = {}
     for name, tls in (("llama-server alone, HTTP", False), ("llama-server alone, HTTPS", True)):
         log(f"{name}: the profile's flags alone, fleet's bench at 1-8 callers")
@@ -292,6 +297,26 @@ def path() -> None:
     decode_path.run(up, tear_down, OUT, LOGS)
 
 
+def slots() -> None:
+    """bench/slots.py on the card with the profile's flags: what a stream per slot and one shared cache cost."""
+    lines = []
+    for depth in SLOT_DEPTHS:
+        log(f"slots at depth {depth}")
+        found = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "slots.py"), "--profile", PROFILE, "--model", str(MODEL), "--binary",
+             os.environ["FLEET_LLAMA_SERVER"], "--depth", str(depth), "--tokens", "128", "--json",
+             str(OUT / f"slots-{depth}.json")],
+            capture_output=True, text=True, check=False, timeout=600,
+        )  # fmt: skip
+        (LOGS / f"slots-{depth}.log").write_text(found.stderr)
+        if found.returncode != 0:
+            raise SystemExit(f"bench/slots.py failed: {found.stderr[-2000:]}")
+        lines += [f"Depth {depth} tokens, 128 tokens decoded by each call:", "", found.stdout, ""]
+    text = "\n".join(lines)
+    (OUT / "slots.md").write_text(text)
+    print(text)
+
+
 def thermal() -> None:
     start_cloud()
     try:
@@ -373,8 +398,10 @@ def plan(only: list[str]) -> None:
         main, draft = read_local(paths["main"]), read_local(paths["draft"]) if "draft" in paths else None
         plan_settings = PlanSettings(int(p.runtime_mib_for(profile) * MIB), int(p.headroom_mib * MIB))
         for n in slot_counts:
-            args = [a.replace("{file.draft}", str(paths.get("draft", ""))) for a in profile.args]
-            args = _with(args, {"-np": str(n), "-c": str(n * profile.ctx_per_slot)})
+            sized = profile.model_copy(
+                update={"slots": n, "args": _with(profile.args, {"-np": str(n), "-c": str(n * profile.ctx_per_slot)})}
+            )
+            args = [a.replace("{file.draft}", str(paths.get("draft", ""))) for a in profile_args(sized)]
             argv = [binary, "-m", str(paths["main"]), *args, "--host", "127.0.0.1", "--port", "18181", "-lv", "4"]
             text, used = _serve_once(argv, LOGS / f"serve-{model}-{n}.log")
             found = parse_buffer_lines(text)
@@ -475,4 +502,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "replan":
         replan(Path(sys.argv[2]))
     else:
-        {"decode": decode, "thermal": thermal, "path": path}[sys.argv[1]]()
+        {"decode": decode, "thermal": thermal, "path": path, "slots": slots}[sys.argv[1]]()

@@ -2,8 +2,8 @@
 the recorded call, its system prompt fitted to 40% of a slot, callers in waves, the cold wave and a warm-up
 discarded, 3 measured):
 
-  alone   llama-server started by this script with the profile's flags and nothing else, over plain HTTP
-          and again over HTTPS (a certificate of a CA made here), each a fresh server
+  alone   llama-server started by this script with the profile's flags as fleet runs them and nothing
+          else, over plain HTTP and again over HTTPS (a certificate of a CA made here), each a fresh server
   gateway the fleet host through `fleet gateway` (HAProxy, an agent's key), and the same host reached
           directly right after it, so the two are measured side by side on one server
 """
@@ -35,8 +35,8 @@ def levels(server: Server, most: int) -> list[dict[str, Any]]:
 
 
 def alone(binary: Path, model: Path, flags: list[str], most: int, tls: bool) -> list[dict[str, Any]]:
-    """llama-server with the profile's flags alone (no key, no fleet exposure flags), fresh, over HTTP or
-    HTTPS on loopback."""
+    """llama-server with the profile's flags as fleet runs them (no key, no fleet exposure flags), fresh, over
+    HTTP or HTTPS on loopback."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         extra: list[str] = []

@@ -32,11 +32,37 @@ TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
 REQUESTS_PROCESSING = "llamacpp:requests_processing"
 
 
+# The flags that choose the KV cache's layout, and whether an idle slot's cache is moved off the card; a
+# profile that says either keeps its word.
+KV_LAYOUT = ("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified")
+IDLE_SLOTS = ("--cache-idle-slots", "--no-cache-idle-slots")
+
+
+def cache_args(profile: Profile) -> list[str]:
+    """One KV cache shared by a multi-slot host's slots, each slot held to its planned context.
+
+    With a stream per slot (llama-server's layout when -np is given), a decode step joins its speaking calls
+    in one forward pass only while their slot ids are consecutive (llama.cpp's split_equal): calls on slots 4
+    and 6 cost two passes a token, each reading every weight, and an H200 served each of two callers 64 tok/s
+    instead of 137 (bench/gpu/results/2026-12-02-path.md). Which slots a host's calls hold is its history's
+    doing, so only one shared cache puts every step in one pass. In it an idle slot's cache would be cleared
+    when another call starts (--cache-idle-slots): a voice call's next turn must find its own on the card."""
+    if profile.slots < 2 or any(a in KV_LAYOUT for a in profile.args):
+        return []
+    idle = [] if any(a in IDLE_SLOTS for a in profile.args) else ["--no-cache-idle-slots"]
+    return ["-kvu", "--kv-unified-per-slot", str(profile.ctx_per_slot), *idle]
+
+
+def profile_args(profile: Profile) -> list[str]:
+    """The profile's flags as fleet runs them: its own, then the cache layout fleet adds ({file.key} unfilled)."""
+    return [*profile.args, *cache_args(profile)]
+
+
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:
-    """llama-server's arguments: the model, the profile's flags ({file.key} filled in), the chat template
-    fleet put on the host when the profile names one, what it exposes, its TLS key and certificate, port,
-    alias."""
-    args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile.args]
+    """llama-server's arguments: the model, the profile's flags ({file.key} filled in) and its cache layout, the
+    chat template fleet put on the host when the profile names one, what it exposes, its TLS key and
+    certificate, port, alias."""
+    args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile_args(profile)]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
     return ["-m", files["main"], *args, *template, *EXPOSURE, *TLS, "--port", str(port), "-a", profile.name]
 

@@ -18,17 +18,24 @@ from fleet.localcloud.network import free_port
 
 @contextmanager
 def llama_server(
-    binary: Path, model: Path, *flags: str, timeout_s: float = 20.0, tls: ssl.SSLContext | None = None
+    binary: Path,
+    model: Path,
+    *flags: str,
+    timeout_s: float = 20.0,
+    tls: ssl.SSLContext | None = None,
+    log: Path | None = None,
 ) -> Iterator[str]:
     """Serve `model` on a free loopback port in its own process group; yield the base URL; end it. With
-    `tls` (the flags carry --ssl-key-file and --ssl-cert-file), the URL is https:// and checked with it."""
+    `tls` (the flags carry --ssl-key-file and --ssl-cert-file), the URL is https:// and checked with it; with
+    `log`, what the server prints goes there."""
     port = free_port()
-    process = subprocess.Popen(
-        [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with log.open("w") if log else open(os.devnull, "w") as out:
+        process = subprocess.Popen(
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
