@@ -417,6 +417,7 @@ def plan(only: list[str]) -> None:
             records.append(record)
             rows.append(_plan_row(record, planned, found, used))
             log(f"{model} x{n}: {rows[-1]}")
+            (OUT / "plan.json").write_text(json.dumps(records, indent=1))  # a call cut off keeps what it measured
         for path in paths.values():
             path.unlink()
     (OUT / "plan.json").write_text(json.dumps(records, indent=1))
