@@ -486,11 +486,12 @@ def _plan_row(record: dict, planned, found, used: int | None) -> str:
     runtime = compute + (rest or 0)
     total = planned.total_bytes() - planned.headroom_bytes
     draft = planned.draft_per_slot.total if planned.draft_per_slot else 0
+    planned_runtime = planned.overhead_bytes + planned.mask_bytes()  # a shared cache's mask is compute buffer
     return (
         f"| {record['model']} | {n} | {_mib(planned.weights_bytes)} / {_mib(model_gpu)}"
         f"{_ratio(planned.weights_bytes, model_gpu)} | {_mib(planned.per_slot_bytes)} / {_mib(kv_gpu / n)}"
-        f"{_ratio(planned.per_slot_bytes, kv_gpu / n)} | {_mib(draft)} | {_mib(planned.overhead_bytes)} / "
-        f"{_mib(compute)} + {_mib(rest)}{_ratio(planned.overhead_bytes, runtime)} | {_mib(total)} / {_mib(used)}"
+        f"{_ratio(planned.per_slot_bytes, kv_gpu / n)} | {_mib(draft)} | {_mib(planned_runtime)} / "
+        f"{_mib(compute)} + {_mib(rest)}{_ratio(planned_runtime, runtime)} | {_mib(total)} / {_mib(used)}"
         f"{_ratio(total, used)} |"
     )
 

@@ -130,7 +130,8 @@ def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
     line(
         (model, "bold"),
         f": {p.slots} slots x {p.cache.ctx_per_slot} tokens, cache "
-        f"{p.cache.type_k}/{p.cache.type_v}, -ub {p.cache.ubatch}, swa-full {'on' if p.cache.swa_full else 'off'}",
+        f"{p.cache.type_k}/{p.cache.type_v}, -ub {p.cache.ubatch}, swa-full {'on' if p.cache.swa_full else 'off'}, "
+        f"{'one cache for all slots' if p.cache.shared and p.slots > 1 else 'a cache per slot'}",
     )
     t = Table(show_header=False)
     t.add_column(no_wrap=True)
@@ -153,6 +154,8 @@ def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
         rows.append(("per slot: draft model cache", p.draft_per_slot.total))
     elif p.draft_weights:
         rows.append(("per slot: draft model cache (reads the target's)", 0))
+    if p.mask_bytes():
+        rows.append((f"one cache for the slots: its mask, {p.slots - 1} slots beyond the first", p.mask_bytes()))
     rows += [
         ("runtime overhead", p.overhead_bytes),
         ("headroom", p.headroom_bytes),

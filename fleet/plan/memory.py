@@ -6,7 +6,10 @@
   keeps only the window plus one micro-batch of cells unless --swa-full), at the cache type's size,
   plus the fixed recurrent state (f32) of each recurrent layer, whatever the context;
 - the draft model's own weights and cache (none for a draft that reads the target's, as Gemma 4's MTP
-  head does), a runtime overhead and a headroom from fleet.toml.
+  head does), a runtime overhead and a headroom from fleet.toml;
+- with one KV cache shared by the slots (what fleet runs on a multi-slot host), each slot beyond the first
+  also grows the compute buffer: the attention mask spans the whole cache, a micro-batch's row of f16 for
+  every cell, in each context that attends it (the target's, and a draft's).
 Pure functions over parsed headers; reading the headers is ggufhead.py's job.
 """
 
@@ -42,6 +45,12 @@ SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4}
 # the target's (llama-model.cpp create_memory: a gemma4-assistant layer shares the target's last windowed
 # or last global layer). Their per-slot cost is nothing beyond the target's.
 SHARES_TARGET_CACHE = {"gemma4-assistant"}
+# Compute buffer bytes a cell of a shared cache adds, per token of the micro-batch and per context that
+# attends it, then per cell: measured on an H200 (bench/gpu/results/2026-12-02-plan.md) as 2.006-2.125 bytes
+# per cell and micro-batch token over five contexts, 2 of them the f16 mask's.
+MASK_BYTES_PER_CELL_TOKEN = 2
+MASK_BYTES_PER_CELL = 64
+NO_SHARED_CACHE = ("-no-kvu", "--no-kv-unified")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class CacheSettings:
     swa_full: bool = False
     type_k: str = "f16"
     type_v: str = "f16"
+    # one KV cache for all slots when there are several (fleet/engines/llama_server.py cache_args)
+    shared: bool = True
 
 
 @dataclass
@@ -210,15 +221,36 @@ class Plan:
     def per_slot_bytes(self) -> int:
         return self.per_slot.total + (self.draft_per_slot.total if self.draft_per_slot else 0)
 
+    @property
+    def mask_per_slot_bytes(self) -> int:
+        """What each slot beyond the first adds to the compute buffers when the slots share one cache."""
+        if not self.cache.shared:
+            return 0
+        contexts = 2 if self.draft_weights else 1
+        per_cell = MASK_BYTES_PER_CELL_TOKEN * self.cache.ubatch + MASK_BYTES_PER_CELL
+        return _pad(self.cache.ctx_per_slot) * per_cell * contexts
+
+    def mask_bytes(self, slots: int | None = None) -> int:
+        n = self.slots if slots is None else slots
+        return (n - 1) * self.mask_per_slot_bytes if n > 1 else 0
+
     def total_bytes(self, slots: int | None = None) -> int:
         n = self.slots if slots is None else slots
-        return self.weights_bytes + n * self.per_slot_bytes + self.overhead_bytes + self.headroom_bytes
+        return (
+            self.weights_bytes
+            + n * self.per_slot_bytes
+            + self.mask_bytes(n)
+            + self.overhead_bytes
+            + self.headroom_bytes
+        )
 
     def max_slots(self, card_bytes: int) -> int:
         free = card_bytes - self.weights_bytes - self.overhead_bytes - self.headroom_bytes
         if free < 0 or self.per_slot_bytes <= 0:
             return 0 if free < 0 else 10**6
-        return free // self.per_slot_bytes
+        mask = self.mask_per_slot_bytes
+        shared = (free + mask) // (self.per_slot_bytes + mask)  # n slots and n - 1 masks in `free`
+        return shared if shared >= 2 else min(1, free // self.per_slot_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -239,6 +271,7 @@ class Plan:
                 "layers": self.per_slot.layers,
                 "draft": self.draft_per_slot.total if self.draft_per_slot else 0,
             },
+            "mask_bytes": self.mask_bytes(),
             "overhead_bytes": self.overhead_bytes,
             "headroom_bytes": self.headroom_bytes,
             "total_bytes": self.total_bytes(),
@@ -269,6 +302,7 @@ def cache_settings_from_args(args: list[str], ctx_per_slot: int) -> CacheSetting
         swa_full="--swa-full" in args,
         type_k=value("-ctk", "--cache-type-k", default="f16"),
         type_v=value("-ctv", "--cache-type-v", default="f16"),
+        shared=not any(a in NO_SHARED_CACHE for a in args),
     )
 
 
