@@ -43,10 +43,12 @@ def cache_args(profile: Profile) -> list[str]:
 
     With a stream per slot (llama-server's layout when -np is given), a decode step joins its speaking calls
     in one forward pass only while their slot ids are consecutive (llama.cpp's split_equal): calls on slots 4
-    and 6 cost two passes a token, each reading every weight, and an H200 served each of two callers 64 tok/s
-    instead of 137 (bench/gpu/results/2026-12-02-path.md). Which slots a host's calls hold is its history's
-    doing, so only one shared cache puts every step in one pass. In it an idle slot's cache would be cleared
-    when another call starts (--cache-idle-slots): a voice call's next turn must find its own on the card."""
+    and 6 cost two passes a token, each reading every weight; an H200 served each of two callers 64 tok/s
+    instead of 137. Which slots a host's calls hold is its history's doing, so only a shared cache puts every
+    step in one pass. Its price: each step's attention reads the idle calls' cells too, small beside the
+    split for the shipped profiles (bench/gpu/results/2026-12-02-slots.md); a profile that says -no-kvu keeps
+    a stream per slot. In a shared cache an idle slot's cells would be cleared when another call starts
+    (--cache-idle-slots): a voice call's next turn must find its own still on the card."""
     if profile.slots < 2 or any(a in KV_LAYOUT for a in profile.args):
         return []
     idle = [] if any(a in IDLE_SLOTS for a in profile.args) else ["--no-cache-idle-slots"]
