@@ -8,7 +8,6 @@ its first byte, never downloaded. The bytes fetched are counted.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import struct
@@ -21,6 +20,7 @@ import gguf
 import httpx
 
 from fleet.core.errors import FleetError
+from fleet.plan import ranges
 
 FIRST_RANGE = 256 * 1024
 MAX_HEADER = 128 * 1024 * 1024
@@ -216,7 +216,7 @@ async def read_url(
         upto = FIRST_RANGE
         while True:
             if len(fetched) < upto:
-                chunk, size, target = await _range(client, target, len(fetched), upto - 1, url)
+                chunk, size, target = await ranges.fetch(client, target, len(fetched), upto - 1, url, GgufError)
                 fetched += chunk
                 if progress is not None:
                     progress(len(fetched))
@@ -252,51 +252,3 @@ async def _kept(client: httpx.AsyncClient, url: str, cache: Path) -> Path | None
     if not re.fullmatch(r"[0-9a-f]{64}", sha256) or not size.isdigit():
         return None
     return cache / f"{sha256}-{size}.gguf-header"
-
-
-async def _range(
-    client: httpx.AsyncClient, url: str, start: int, end: int, shown: str, tries: int = 3
-) -> tuple[bytes, int | None, str]:
-    """One range, tried again when the connection breaks (CDNs reset connections too)."""
-    for attempt in range(tries):
-        try:
-            return await _range_once(client, url, start, end, shown)
-        except _Broken as e:
-            if attempt == tries - 1:
-                raise GgufError(f"{shown}: {e}") from None
-            await asyncio.sleep(0.2 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
-class _Broken(Exception):
-    pass
-
-
-async def _range_once(
-    client: httpx.AsyncClient, url: str, start: int, end: int, shown: str
-) -> tuple[bytes, int | None, str]:
-    try:
-        async with client.stream("GET", url, headers={"Range": f"bytes={start}-{end}"}) as r:
-            if r.status_code == 200:
-                raise GgufError(f"{shown}: the server ignores HTTP ranges; refusing to download the whole file")
-            if r.status_code == 416:
-                return b"", start, str(r.url)
-            if r.status_code in (401, 403):
-                code = r.headers.get("X-Error-Code", "")[:40]
-                raise GgufError(
-                    f"{shown}: HTTP {r.status_code} {code}: the hub refuses it (gated or private: fleet needs a Hugging"
-                    " Face token that opens it, in $HF_TOKEN or the variable hub.token_env names)"
-                )
-            if r.status_code != 206:
-                raise GgufError(f"{shown}: HTTP {r.status_code}")
-            total = r.headers.get("Content-Range", "").rpartition("/")[2]
-            body = b""
-            async for part in r.aiter_bytes():
-                body += part
-                if len(body) > end - start + 1:
-                    raise GgufError(f"{shown}: the server sent more than the range asked for")
-            return body, int(total) if total.isdigit() else None, str(r.url)
-    except httpx.TransportError as e:
-        raise _Broken(f"{type(e).__name__}: {e}") from None
-    except httpx.HTTPError as e:
-        raise GgufError(f"{shown}: {type(e).__name__}: {e}") from None

@@ -1,0 +1,184 @@
+"""The vLLM planner's inputs read strictly from what the hub serves (safetensors headers over HTTP ranges,
+config.json), and its terms computed here by hand."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from fleet.plan import hfconfig, safetensors
+from fleet.plan.vllm import VllmPlan, VllmSettings
+
+GIB = 1 << 30
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], int]], metadata=None) -> Path:
+    """A safetensors file of the given (dtype, shape, nbytes) tensors; its data is a hole of the right length."""
+    header, offset = {}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    return path
+
+
+SHARD = {
+    "model.embed_tokens.weight": ("BF16", [1000, 64], 1000 * 64 * 2),
+    "model.layers.0.mlp.down_proj.weight": ("U8", [64, 128], 64 * 128),  # NVFP4: two 4-bit weights a byte
+    "model.layers.0.mlp.down_proj.weight_scale": ("F8_E4M3", [64, 16], 64 * 16),
+    "model.layers.0.mlp.down_proj.weight_scale_2": ("F32", [], 4),
+    "model.norm.weight": ("F4", [64], 32),
+}
+
+
+def test_a_shards_tensors_and_their_bytes_come_from_its_header(tmp_path):
+    path = write_safetensors(tmp_path / "model.safetensors", SHARD, {"format": "pt"})
+    header = safetensors.read_local(path)
+    assert header.data_bytes == 1000 * 64 * 2 + 64 * 128 + 64 * 16 + 4 + 32
+    assert header.bytes_by_dtype()["U8"] == 8192 and header.metadata == {"format": "pt"}
+    assert header.tensors["model.layers.0.mlp.down_proj.weight_scale_2"].shape == ()
+    assert header.bytes_fetched == header.header_bytes < 1024
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}, "unknown dtype"),
+        ({"w": {"dtype": "F16", "shape": [4], "data_offsets": [0, 6]}}, "6 bytes where F16 \\[4\\] holds 8"),
+        ({"w": {"dtype": "F16", "shape": [-1], "data_offsets": [0, 2]}}, "non-negative integers"),
+        ({"w": {"dtype": "F16", "shape": [True], "data_offsets": [0, 2]}}, "non-negative integers"),
+        ({"w": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2], "extra": 1}}, "exactly dtype"),
+        ({"w": {"dtype": "F16", "shape": [1000], "data_offsets": [0, 2000]}}, "past the file"),
+        ({"__metadata__": {"a": 1}}, "strings to strings"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_a_header_that_does_not_add_up_is_refused_in_one_line(tmp_path, header, message):
+    text = json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(100))
+    with pytest.raises(safetensors.SafetensorsError, match=message):
+        safetensors.read_local(path)
+
+
+def test_a_length_beyond_the_formats_limit_or_not_json_is_refused(tmp_path):
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(safetensors.SafetensorsError, match="a header of 1000000000000 bytes"):
+        safetensors.read_local(huge)
+    html = tmp_path / "html.safetensors"
+    html.write_bytes(struct.pack("<Q", 12) + b"<html></html")
+    with pytest.raises(safetensors.SafetensorsError, match="not JSON"):
+        safetensors.read_local(html)
+
+
+@pytest.fixture
+async def files_server(tmp_path):
+    """Real HTTP with ranges (aiohttp's file responses), counting the bytes each answer sent."""
+    sent: dict[str, int] = {}
+    write_safetensors(tmp_path / "model.safetensors", {"w": ("BF16", [4096, 4096], 4096 * 4096 * 2)})
+
+    async def ranged(request: web.Request) -> web.StreamResponse:
+        response = web.FileResponse(tmp_path / request.match_info["name"])
+        asked = request.http_range  # a slice; an open end would be the whole rest of the file
+        size = (tmp_path / request.match_info["name"]).stat().st_size
+        length = (asked.stop if asked.stop is not None else size) - (asked.start or 0)
+        sent[request.match_info["name"]] = sent.get(request.match_info["name"], 0) + length
+        return response
+
+    async def whole(request: web.Request) -> web.Response:
+        return web.Response(body=(tmp_path / "model.safetensors").read_bytes()[:4096])
+
+    app = web.Application()
+    app.router.add_get("/ranged/{name}", ranged)
+    app.router.add_get("/whole", whole)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", sent
+    await runner.cleanup()
+
+
+async def test_a_remote_header_is_read_with_two_ranges_and_a_server_ignoring_ranges_is_refused(files_server):
+    base, sent = files_server
+    header = await safetensors.read_url(f"{base}/ranged/model.safetensors")
+    assert header.data_bytes == 4096 * 4096 * 2 and header.file_size == header.header_bytes + 4096 * 4096 * 2
+    assert header.bytes_fetched == header.header_bytes
+    assert sent["model.safetensors"] <= header.header_bytes  # the ranges asked for the header, no more
+    with pytest.raises(safetensors.SafetensorsError, match="ignores HTTP ranges"):
+        await safetensors.read_url(f"{base}/whole")
+
+
+GEMMA_LIKE = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": 2,
+        "sliding_window": 1024,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    },
+}
+
+
+def test_the_kv_cache_per_token_comes_from_config_json():
+    layout = hfconfig.parse(json.dumps(GEMMA_LIKE).encode(), "config.json")
+    assert (layout.full_layers, layout.windowed_layers, layout.window) == (1, 5, 1024)
+    assert layout.full_bytes_per_token() == 1 * 2 * 2 * 512 * 2  # K and V, 2 global KV heads of 512, bf16
+    assert layout.windowed_bytes_per_token() == 5 * 2 * 4 * 256 * 2
+    assert layout.sequence_bytes(4000) == 4000 * 4096 + 1024 * 20480  # windowed layers hold the window only
+    assert layout.sequence_bytes(100, kv_bytes=1) == 100 * 2048 + 100 * 10240  # an fp8 cache
+    plain = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 128, "torch_dtype": "float32"}
+    dense = hfconfig.parse(json.dumps(plain).encode(), "config.json")
+    assert (dense.full_layers, dense.kv_heads, dense.head_dim, dense.window) == (2, 4, 32, 0)
+    assert dense.full_bytes_per_token() == 2 * 2 * 4 * 32 * 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers must be an integer from 1 to 1024"),
+        ({"num_key_value_heads": "4"}, "num_key_value_heads must be an integer"),
+        ({"layer_types": ["sliding_attention"] * 3}, "layer_types must name 6 layers"),
+        ({"sliding_window": None}, "sliding_window is unset"),
+        ({"torch_dtype": "int4"}, "dtype 'int4'"),
+    ],
+)
+def test_a_config_fleet_cannot_plan_from_is_refused_in_one_line(change, message):
+    doc = {**GEMMA_LIKE, "text_config": {**GEMMA_LIKE["text_config"], **change}}
+    with pytest.raises(hfconfig.ConfigJsonError, match=message):
+        hfconfig.parse(json.dumps(doc).encode(), "config.json")
+    with pytest.raises(hfconfig.ConfigJsonError, match="not JSON"):
+        hfconfig.parse(b"\xff", "config.json")
+
+
+def test_what_vllms_settings_leave_each_sequence():
+    layout = hfconfig.parse(json.dumps(GEMMA_LIKE).encode(), "config.json")
+    settings = VllmSettings(max_model_len=4000, max_num_seqs=12, gpu_memory_utilization=0.5)
+    p = VllmPlan("m", weights_bytes=2 * GIB, layout=layout, settings=settings, runtime_bytes=GIB // 2)
+    card = 8 * GIB
+    cache = 4 * GIB - 2 * GIB - GIB // 2
+    assert p.cache_bytes(card) == cache
+    per_sequence = 4000 * 4096 + 1024 * 20480  # 4000 is whole blocks of 16
+    assert p.sequence_bytes == per_sequence
+    assert p.full_length_sequences(card) == cache // per_sequence
+    share = cache // 12
+    assert p.tokens_per_sequence(card) == min(1024 + (share - 1024 * (4096 + 20480)) // 4096, 4000)
+    assert p.problem(card) is None
+    assert "exceed --gpu-memory-utilization" in p.problem(4 * GIB)
+    tight = VllmPlan(
+        "m", 2 * GIB, layout, VllmSettings(max_model_len=400_000, max_num_seqs=1, gpu_memory_utilization=0.5), GIB // 2
+    )
+    assert "one sequence of --max-model-len 400000 needs" in tight.problem(card)
