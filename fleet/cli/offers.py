@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from fleet.app import open_fleet
-from fleet.cli import render
+from fleet.cli import render, render_plan
 from fleet.cli.common import (
     ByPrice,
     ConfigPath,
@@ -115,4 +115,4 @@ def plan_cmd(
     if json_output:
         render.print_json(data)
         return
-    render.plan(model, plan, data["max_slots"])
+    render_plan.plan(model, plan, data["max_slots"])
