@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama in Hugging Face's format, the repository a vLLM host pulls from the local hub.
+"""A tiny random-weight Llama in Hugging Face's format: the repository a vLLM host serves on this CPU.
 
 Written with numpy alone, deterministically: the same bytes on every machine, so the hub's sha256 of each file
 is the same everywhere. Two layers of 128, four query heads and two KV heads of 32, float32 weights in one
