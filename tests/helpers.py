@@ -5,14 +5,32 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+from aiohttp import web
 
 from fleet.localcloud import procs
 
 TINY_REPO = "fleet-local/tiny-models"
+
+
+@asynccontextmanager
+async def http_server(routes: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]) -> AsyncIterator[str]:
+    """A real HTTP server on a free loopback port answering GET `routes` (path -> handler); yields its base URL."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 SERVICE_PORT = 18080

@@ -16,6 +16,7 @@ from fleet.control.up import UpRequest
 from fleet.plan import gguf as ggufhead
 from fleet.plan import memory as plan
 from tests.fleetkit import fleet_for, settings_for, write_config
+from tests.helpers import http_server
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,16 +229,8 @@ async def odd_servers(tmp_path):
             status=206, body=b"<html>not found</html>" * 10, headers={"Content-Range": "bytes 0-219/220"}
         )
 
-    app = web.Application()
-    app.router.add_get("/ignoring", ignoring)
-    app.router.add_get("/garbage", ranged_garbage)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}", sent
-    await runner.cleanup()
+    async with http_server({"/ignoring": ignoring, "/garbage": ranged_garbage}) as base:
+        yield base, sent
 
 
 async def test_a_server_ignoring_ranges_is_refused_without_a_download(odd_servers):

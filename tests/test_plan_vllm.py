@@ -10,6 +10,7 @@ from aiohttp import web
 
 from fleet.plan import hfconfig, safetensors
 from fleet.plan.vllm import VllmPlan, VllmSettings
+from tests.helpers import http_server
 
 GIB = 1 << 30
 
@@ -96,15 +97,8 @@ async def files_server(tmp_path):
     async def whole(request: web.Request) -> web.Response:
         return web.Response(body=(tmp_path / "model.safetensors").read_bytes()[:4096])
 
-    app = web.Application()
-    app.router.add_get("/ranged/{name}", ranged)
-    app.router.add_get("/whole", whole)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", sent
-    await runner.cleanup()
+    async with http_server({"/ranged/{name}": ranged, "/whole": whole}) as base:
+        yield base, sent
 
 
 async def test_a_remote_header_is_read_with_two_ranges_and_a_server_ignoring_ranges_is_refused(files_server):
