@@ -212,6 +212,10 @@ def main() -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
             model = args.model
+            if profile.slots < 3 or any("{file." in a for a in profile.args):
+                print(f"error: {args.profile}: this bench takes a profile of 3 or more slots and one model file",
+                      file=sys.stderr)  # fmt: skip
+                return 2
         else:
             slots, ctx = 4, 4096
             profile = Profile(name="tiny", gpu_ram_gb=0, disk_gb=10, slots=slots, ctx_per_slot=ctx,

@@ -60,6 +60,11 @@ def test_a_multi_slot_host_gets_one_kv_cache_with_its_slots_held_to_their_contex
     idle = [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["--cache-idle-slots"]
     kept = a4b.model_copy(update={"args": idle})
     assert cache_args(kept) == ["-kvu", "--kv-unified-per-slot", "32768"]
+    # a profile that says -kvu itself still gets the per-slot limit and keeps its idle calls on the card
+    said = a4b.model_copy(update={"args": [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["-kvu"]})
+    assert cache_args(said) == ["--kv-unified-per-slot", "32768", "--no-cache-idle-slots"]
+    own = a4b.model_copy(update={"args": [*a4b.args, "--kv-unified-per-slot", "16384"]})
+    assert cache_args(own) == ["-kvu"]  # its own per-slot context stands
 
 
 def test_every_shipped_profile_passes_its_template_check_or_accepts_the_break():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from fleet.plan import gguf as ggufhead
 from fleet.plan import hfconfig, safetensors
 from fleet.plan.vllm import VllmPlan, VllmSettings
 from tests.helpers import http_server
@@ -56,7 +57,16 @@ def test_a_shards_tensors_and_their_bytes_come_from_its_header(tmp_path):
         ({"w": {"dtype": "F16", "shape": [-1], "data_offsets": [0, 2]}}, "non-negative integers"),
         ({"w": {"dtype": "F16", "shape": [True], "data_offsets": [0, 2]}}, "non-negative integers"),
         ({"w": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2], "extra": 1}}, "exactly dtype"),
-        ({"w": {"dtype": "F16", "shape": [1000], "data_offsets": [0, 2000]}}, "past the file"),
+        ({"w": {"dtype": "F16", "shape": [1000], "data_offsets": [0, 2000]}}, "end at byte 2000 of 100 bytes"),
+        ({"w": {"dtype": "U8", "shape": [10**200, 10**200], "data_offsets": [0, 8]}}, "8 bytes where U8"),
+        (
+            {
+                "a": {"dtype": "U8", "shape": [50], "data_offsets": [0, 50]},
+                "b": {"dtype": "U8", "shape": [50], "data_offsets": [0, 50]},
+            },
+            "starts at 0, not where the last ended \\(50\\)",
+        ),
+        ({"a": {"dtype": "U8", "shape": [50], "data_offsets": [50, 100]}}, "starts at 50, not where the last ended"),
         ({"__metadata__": {"a": 1}}, "strings to strings"),
         ([1, 2], "not a JSON object"),
     ],
@@ -78,6 +88,11 @@ def test_a_length_beyond_the_formats_limit_or_not_json_is_refused(tmp_path):
     html.write_bytes(struct.pack("<Q", 12) + b"<html></html")
     with pytest.raises(safetensors.SafetensorsError, match="not JSON"):
         safetensors.read_local(html)
+    digits = b'{"w": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}'
+    long_int = tmp_path / "digits.safetensors"
+    long_int.write_bytes(struct.pack("<Q", len(digits)) + digits)
+    with pytest.raises(safetensors.SafetensorsError, match="not JSON we read"):  # not a ValueError's traceback
+        safetensors.read_local(long_int)
 
 
 @pytest.fixture
@@ -156,23 +171,67 @@ def test_a_config_fleet_cannot_plan_from_is_refused_in_one_line(change, message)
         hfconfig.parse(json.dumps(doc).encode(), "config.json")
     with pytest.raises(hfconfig.ConfigJsonError, match="not JSON"):
         hfconfig.parse(b"\xff", "config.json")
+    with pytest.raises(hfconfig.ConfigJsonError, match="not JSON"):
+        hfconfig.parse(b'{"num_hidden_layers": ' + b"9" * 5000 + b"}", "config.json")
+
+
+def test_which_layers_are_windowed_when_config_json_does_not_list_them():
+    base = {"num_hidden_layers": 12, "num_attention_heads": 4, "head_dim": 64, "sliding_window": 512}
+    pattern = hfconfig.parse(json.dumps({**base, "sliding_window_pattern": 6}).encode(), "c")
+    assert (pattern.full_layers, pattern.windowed_layers, pattern.window) == (2, 10, 512)  # Gemma 3's older form
+    off = hfconfig.parse(json.dumps({**base, "use_sliding_window": False}).encode(), "c")
+    assert (off.full_layers, off.windowed_layers) == (12, 0)  # Qwen 2.5 names a window it does not use
+    unsaid = hfconfig.parse(json.dumps(base).encode(), "c")
+    assert unsaid.windowed_layers == 0  # not said which: every layer planned whole, never under-planned
 
 
 def test_what_vllms_settings_leave_each_sequence():
     layout = hfconfig.parse(json.dumps(GEMMA_LIKE).encode(), "config.json")
-    settings = VllmSettings(max_model_len=4000, max_num_seqs=12, gpu_memory_utilization=0.5)
+    full, windowed = 4096, 20480  # bytes per token: 1 full layer, 5 windowed (test above)
+    settings = VllmSettings(max_model_len=32768, max_num_seqs=12, gpu_memory_utilization=0.5)
     p = VllmPlan("m", weights_bytes=2 * GIB, layout=layout, settings=settings, runtime_bytes=GIB // 2)
     card = 8 * GIB
-    cache = 4 * GIB - 2 * GIB - GIB // 2
-    assert p.cache_bytes(card) == cache
-    per_sequence = 4000 * 4096 + 1024 * 20480  # 4000 is whole blocks of 16
-    assert p.sequence_bytes == per_sequence
-    assert p.full_length_sequences(card) == cache // per_sequence
-    share = cache // 12
-    assert p.tokens_per_sequence(card) == min(1024 + (share - 1024 * (4096 + 20480)) // 4096, 4000)
+    assert p.cache_bytes(card) == 1536 * 1024 * 1024  # 4 GiB budget - 2 GiB - 0.5 GiB
+    assert p.sequence_bytes == 32768 * full + 1024 * windowed == 155189248
+    assert p.full_length_sequences(card) == 10  # 1610612736 // 155189248
+    # twelve active: 134217728 bytes each; the window's 1024 tokens take 25165824, the rest 4096 a token
+    assert p.tokens_per_sequence(card) == 1024 + 26624 == 27648  # 26624 = (134217728 - 25165824) // 4096
     assert p.problem(card) is None
+    # so little cache that a sequence cannot fill its window: every token costs both kinds of layer
+    small = VllmPlan("m", 2 * GIB, layout, VllmSettings(32768, 4000, 0.5), GIB // 2)
+    assert small.tokens_per_sequence(card) == 1610612736 // 4000 // (full + windowed) // 16 * 16 == 16
     assert "exceed --gpu-memory-utilization" in p.problem(4 * GIB)
-    tight = VllmPlan(
-        "m", 2 * GIB, layout, VllmSettings(max_model_len=400_000, max_num_seqs=1, gpu_memory_utilization=0.5), GIB // 2
-    )
+    tight = VllmPlan("m", 2 * GIB, layout, VllmSettings(400_000, 1, 0.5), GIB // 2)
     assert "one sequence of --max-model-len 400000 needs" in tight.problem(card)
+    for bad in ({"max_num_seqs": 0}, {"gpu_memory_utilization": 1.5}, {"kv_bytes": 3}):
+        with pytest.raises(ValueError):
+            VllmSettings(**{"max_model_len": 1024, "max_num_seqs": 4, **bad})
+
+
+async def test_the_hubs_token_never_follows_a_redirect_to_another_host(tmp_path):
+    """Both header readers: the hub (127.0.0.1) redirects to its CDN (localhost, another origin); the token goes
+    to the hub alone, every range included."""
+    from tests.test_plan import Q, write_gguf
+
+    write_safetensors(tmp_path / "m.safetensors", {"w": ("BF16", [64, 64], 64 * 64 * 2)})
+    write_gguf(tmp_path / "m.gguf", "llama", {"block_count": 1}, [("token_embd.weight", (64, 64), Q.F16, 8192)])
+    seen: dict[str, list[str]] = {"hub": [], "cdn": []}
+
+    async def cdn(request: web.Request) -> web.StreamResponse:
+        seen["cdn"].append(request.headers.get("Authorization", ""))
+        return web.FileResponse(tmp_path / request.match_info["name"])
+
+    async with http_server({"/cdn/{name}": cdn}) as cdn_base:
+        cdn_base = cdn_base.replace("127.0.0.1", "localhost")
+
+        async def hub(request: web.Request) -> web.StreamResponse:
+            seen["hub"].append(request.headers.get("Authorization", ""))
+            raise web.HTTPFound(f"{cdn_base}/cdn/{request.match_info['name']}")
+
+        async with http_server({"/resolve/{name}": hub}) as hub_base:
+            token = {"Authorization": "Bearer hf_not_for_the_cdn"}
+            st = await safetensors.read_url(f"{hub_base}/resolve/m.safetensors", headers=token)
+            gg = await ggufhead.read_url(f"{hub_base}/resolve/m.gguf", headers=token, cache=tmp_path / "kept")
+    assert st.data_bytes == 8192 and gg.tensors
+    assert seen["hub"] and set(seen["hub"]) == {"Bearer hf_not_for_the_cdn"}
+    assert len(seen["cdn"]) >= 3 and set(seen["cdn"]) == {""}  # both readers' ranges reached the CDN, bare

@@ -32,9 +32,12 @@ TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
 REQUESTS_PROCESSING = "llamacpp:requests_processing"
 
 
-# The flags that choose the KV cache's layout, and whether an idle slot's cache is moved off the card; a
-# profile that says either keeps its word.
-KV_LAYOUT = ("-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified")
+# The flags that choose the KV cache's layout, a slot's context in a shared cache, and whether an idle slot's
+# cache leaves the card: a profile that says one keeps its word on that one.
+SHARED_CACHE = ("-kvu", "--kv-unified")
+NO_SHARED_CACHE = ("-no-kvu", "--no-kv-unified")
+KV_LAYOUT = SHARED_CACHE + NO_SHARED_CACHE
+PER_SLOT = "--kv-unified-per-slot"
 IDLE_SLOTS = ("--cache-idle-slots", "--no-cache-idle-slots")
 
 
@@ -46,13 +49,19 @@ def cache_args(profile: Profile) -> list[str]:
     and 6 cost two passes a token, each reading every weight; an H200 served each of two callers 64 tok/s
     instead of 137. Which slots a host's calls hold is its history's doing, so only a shared cache puts every
     step in one pass. Its price: each step's attention reads the idle calls' cells too, small beside the
-    split for the shipped profiles (bench/gpu/results/2026-12-02-slots.md); a profile that says -no-kvu keeps
-    a stream per slot. In a shared cache an idle slot's cells would be cleared when another call starts
-    (--cache-idle-slots): a voice call's next turn must find its own still on the card."""
-    if profile.slots < 2 or any(a in KV_LAYOUT for a in profile.args):
+    split for the shipped profiles (bench/gpu/results/2026-12-02-slots.md). In a shared cache an idle slot's
+    cells would be cleared when another call starts (--cache-idle-slots): a voice call's next turn must find
+    its own still on the card. A profile that says -no-kvu keeps a stream per slot; one that gives its own
+    per-slot context or idle-slot choice keeps that."""
+    args = profile.args
+    if profile.slots < 2 or any(a in NO_SHARED_CACHE for a in args):
         return []
-    idle = [] if any(a in IDLE_SLOTS for a in profile.args) else ["--no-cache-idle-slots"]
-    return ["-kvu", "--kv-unified-per-slot", str(profile.ctx_per_slot), *idle]
+    added = [] if any(a in SHARED_CACHE for a in args) else ["-kvu"]
+    if not any(a == PER_SLOT or a.startswith(PER_SLOT + "=") for a in args):
+        added += [PER_SLOT, str(profile.ctx_per_slot)]
+    if not any(a in IDLE_SLOTS for a in args):
+        added.append("--no-cache-idle-slots")
+    return added
 
 
 def profile_args(profile: Profile) -> list[str]:

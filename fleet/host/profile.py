@@ -3,6 +3,7 @@ ranges, once per process), the GPU memory plan they imply, and the chat template
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from fleet.context import Context
@@ -11,7 +12,7 @@ from fleet.core.config import Profile
 from fleet.core.models import Host
 from fleet.plan import gguf
 from fleet.plan.gguf import GgufHeader
-from fleet.plan.memory import MIB, CacheSettings, Plan, PlanSettings, cache_settings_from_args, make_plan
+from fleet.plan.memory import MIB, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.probes import template as chat_templates
 from fleet.probes.renderings import Renderings
 
@@ -48,7 +49,7 @@ async def plan(
     profile = ctx.settings.profile(model)
     cache = cache_settings_from_args(profile.args, ctx_per_slot or profile.ctx_per_slot)
     if swa_full is not None:
-        cache = CacheSettings(cache.ctx_per_slot, cache.ubatch, swa_full, cache.type_k, cache.type_v)
+        cache = dataclasses.replace(cache, swa_full=swa_full)
     files = {f.key: f for f in profile.files}
     main = await header(ctx, file_url(ctx, files["main"].repo, files["main"].revision, files["main"].file))
     draft = None

@@ -207,8 +207,9 @@ async def read_url(
     fetched = b""
     size: int | None = None
     target = url
-    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s, headers=headers or {}) as client:
-        kept = await _kept(client, url, cache) if cache is not None else None
+    # the hub's headers go with each request to the hub alone (ranges.fetch): never to where it redirects
+    async with httpx.AsyncClient(follow_redirects=True, timeout=timeout_s) as client:
+        kept = await _kept(client, url, cache, headers) if cache is not None else None
         if kept is not None and kept.exists():
             header = parse(kept.read_bytes())
             header.source, header.file_size = url, int(kept.stem.split("-")[1])
@@ -216,7 +217,9 @@ async def read_url(
         upto = FIRST_RANGE
         while True:
             if len(fetched) < upto:
-                chunk, size, target = await ranges.fetch(client, target, len(fetched), upto - 1, url, GgufError)
+                chunk, size, target = await ranges.fetch(
+                    client, target, len(fetched), upto - 1, url, GgufError, auth=headers
+                )
                 fetched += chunk
                 if progress is not None:
                     progress(len(fetched))
@@ -240,11 +243,11 @@ async def read_url(
             return header
 
 
-async def _kept(client: httpx.AsyncClient, url: str, cache: Path) -> Path | None:
+async def _kept(client: httpx.AsyncClient, url: str, cache: Path, headers: dict[str, str] | None) -> Path | None:
     """Where this file's header is kept: by the sha256 and size the hub states for it (None when it states
     none: a header that may change is never kept)."""
     try:
-        r = await client.head(url, follow_redirects=False)
+        r = await client.head(url, follow_redirects=False, headers=headers)
     except httpx.HTTPError:
         return None
     sha256 = (r.headers.get("X-Linked-Etag") or "").strip('"')

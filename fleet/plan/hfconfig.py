@@ -60,8 +60,8 @@ def parse(data: bytes, source: str) -> AttentionLayout:
         raise ConfigJsonError(f"{source}: larger than {MAX_CONFIG_BYTES >> 20} MiB")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ConfigJsonError(f"{source}: not JSON ({type(e).__name__})") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, an integer of 4300 digits
+        raise ConfigJsonError(f"{source}: not JSON we read ({type(e).__name__})") from None
     if not isinstance(doc, dict):
         raise ConfigJsonError(f"{source}: not a JSON object")
     text = doc.get("text_config", doc)
@@ -77,15 +77,7 @@ def layout(text: dict[str, Any], top: dict[str, Any], source: str) -> AttentionL
     hidden = _int(text, "hidden_size", source, 1, 1 << 20, default=0)
     head_dim = _int(text, "head_dim", source, 1, 1 << 16, default=hidden // heads or None, allow_null=True)
     window = _int(text, "sliding_window", source, 1, 1 << 24, default=0, allow_null=True)
-    types = text.get("layer_types")
-    if types is None:
-        windowed = layers if window else 0
-    else:
-        if not isinstance(types, list) or len(types) != layers or not all(t in (WINDOWED, FULL) for t in types):
-            raise ConfigJsonError(f"{source}: layer_types must name {layers} layers, each {WINDOWED} or {FULL}")
-        windowed = types.count(WINDOWED)
-        if windowed and not window:
-            raise ConfigJsonError(f"{source}: layer_types has windowed layers but sliding_window is unset")
+    windowed = _windowed_layers(text, layers, window, source)
     dtype_name = text.get("dtype", text.get("torch_dtype", top.get("dtype", top.get("torch_dtype", "bfloat16"))))
     if dtype_name not in DTYPE_BYTES:
         raise ConfigJsonError(f"{source}: dtype {str(dtype_name)[:20]!r} (fleet knows {', '.join(DTYPE_BYTES)})")
@@ -99,6 +91,26 @@ def layout(text: dict[str, Any], top: dict[str, Any], source: str) -> AttentionL
         full_head_dim=_int(text, "global_head_dim", source, 1, 1 << 16, default=head_dim, allow_null=True),
         dtype_bytes=DTYPE_BYTES[dtype_name],
     )
+
+
+def _windowed_layers(text: dict[str, Any], layers: int, window: int, source: str) -> int:
+    """How many layers attend over a window: as `layer_types` names them, else every `sliding_window_pattern`-th
+    layer global (Gemma 3's older configs); with a window and neither, none (a layer planned as full never
+    under-plans)."""
+    types = text.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not all(t in (WINDOWED, FULL) for t in types):
+            raise ConfigJsonError(f"{source}: layer_types must name {layers} layers, each {WINDOWED} or {FULL}")
+        if WINDOWED in types and not window:
+            raise ConfigJsonError(f"{source}: layer_types has windowed layers but sliding_window is unset")
+    if not window or text.get("use_sliding_window") is False:
+        return 0
+    if types is not None:
+        return types.count(WINDOWED)
+    if "sliding_window_pattern" in text:
+        period = _int(text, "sliding_window_pattern", source, 1, MAX_LAYERS)
+        return layers - layers // period
+    return 0
 
 
 def _int(

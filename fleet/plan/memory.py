@@ -21,6 +21,7 @@ from typing import Any
 
 import gguf
 
+from fleet.engines.llama_server import NO_SHARED_CACHE
 from fleet.plan.gguf import GgufError, GgufHeader
 
 GIB = 1024**3
@@ -45,12 +46,11 @@ SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma4": 6, "cohere2": 4}
 # the target's (llama-model.cpp create_memory: a gemma4-assistant layer shares the target's last windowed
 # or last global layer). Their per-slot cost is nothing beyond the target's.
 SHARES_TARGET_CACHE = {"gemma4-assistant"}
-# Compute buffer bytes a cell of a shared cache adds, per token of the micro-batch and per context that
-# attends it, then per cell: measured on an H200 (bench/gpu/results/2026-12-02-plan.md) as 2.006-2.125 bytes
-# per cell and micro-batch token over five contexts, 2 of them the f16 mask's.
+# Compute buffer bytes a cell of a shared cache adds per context that attends it: the f16 mask's row of the
+# micro-batch (2 bytes a token) and 64 bytes more a cell, which covers what five contexts measured on an H200
+# beyond the mask (bench/gpu/results/2026-12-02-plan.md: 2.006-2.125 bytes per cell and micro-batch token).
 MASK_BYTES_PER_CELL_TOKEN = 2
 MASK_BYTES_PER_CELL = 64
-NO_SHARED_CACHE = ("-no-kvu", "--no-kv-unified")
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ def cache_settings_from_args(args: list[str], ctx_per_slot: int) -> CacheSetting
         swa_full="--swa-full" in args,
         type_k=value("-ctk", "--cache-type-k", default="f16"),
         type_v=value("-ctv", "--cache-type-v", default="f16"),
-        shared=not any(a in NO_SHARED_CACHE for a in args),
+        shared=not any(a in NO_SHARED_CACHE for a in args),  # fleet shares it unless the profile says not
     )
 
 

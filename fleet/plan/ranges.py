@@ -1,12 +1,22 @@
 """One HTTP range of a remote file, as the header readers ask for it: a server that ignores ranges is refused
 at its first byte (never a whole download), a server that sends more than was asked is cut off, and a
-connection that breaks is tried again (CDNs reset connections too)."""
+connection that breaks is tried again (CDNs reset connections too). The hub's credentials go to the hub
+alone: a range asked of the URL a redirect led to (the hub's CDN) carries none, as httpx strips them from a
+redirect that leaves the hub."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
+
+TOTAL = re.compile(r"[0-9]{1,20}")
+
+
+def same_origin(a: str, b: str) -> bool:
+    x, y = httpx.URL(a), httpx.URL(b)
+    return (x.scheme, x.host, x.port) == (y.scheme, y.host, y.port)
 
 
 class _Broken(Exception):
@@ -14,13 +24,22 @@ class _Broken(Exception):
 
 
 async def fetch(
-    client: httpx.AsyncClient, url: str, start: int, end: int, shown: str, error: type[Exception], tries: int = 3
+    client: httpx.AsyncClient,
+    url: str,
+    start: int,
+    end: int,
+    shown: str,
+    error: type[Exception],
+    auth: dict[str, str] | None = None,
+    tries: int = 3,
 ) -> tuple[bytes, int | None, str]:
     """Bytes `start`..`end` of `url`, the file's size when the server states it, and the URL that answered
-    (after redirects). Raises `error` with a one-line reason naming `shown`."""
+    (after redirects). `auth` (the hub's headers) is sent only where `url` is on the hub `shown` names.
+    Raises `error` with a one-line reason naming `shown`."""
+    headers = {"Range": f"bytes={start}-{end}", **(auth if auth and same_origin(url, shown) else {})}
     for attempt in range(tries):
         try:
-            return await _once(client, url, start, end, shown, error)
+            return await _once(client, url, headers, start, end, shown, error)
         except _Broken as e:
             if attempt == tries - 1:
                 raise error(f"{shown}: {e}") from None
@@ -29,10 +48,16 @@ async def fetch(
 
 
 async def _once(
-    client: httpx.AsyncClient, url: str, start: int, end: int, shown: str, error: type[Exception]
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    start: int,
+    end: int,
+    shown: str,
+    error: type[Exception],
 ) -> tuple[bytes, int | None, str]:
     try:
-        async with client.stream("GET", url, headers={"Range": f"bytes={start}-{end}"}) as r:
+        async with client.stream("GET", url, headers=headers) as r:
             if r.status_code == 200:
                 raise error(f"{shown}: the server ignores HTTP ranges; refusing to download the whole file")
             if r.status_code == 416:
@@ -46,12 +71,12 @@ async def _once(
             if r.status_code != 206:
                 raise error(f"{shown}: HTTP {r.status_code}")
             total = r.headers.get("Content-Range", "").rpartition("/")[2]
-            body = b""
+            body = bytearray()
             async for part in r.aiter_bytes():
                 body += part
                 if len(body) > end - start + 1:
                     raise error(f"{shown}: the server sent more than the range asked for")
-            return body, int(total) if total.isdigit() else None, str(r.url)
+            return bytes(body), int(total) if TOTAL.fullmatch(total) else None, str(r.url)
     except httpx.TransportError as e:
         raise _Broken(f"{type(e).__name__}: {e}") from None
     except httpx.HTTPError as e:

@@ -25,6 +25,14 @@ class VllmSettings:
     gpu_memory_utilization: float = 0.9
     kv_bytes: int | None = None  # per element; None: the weights' dtype (vLLM's --kv-cache-dtype auto)
 
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1 or self.max_num_seqs < 1:
+            raise ValueError("--max-model-len and --max-num-seqs take 1 or more")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization takes a share of the card above 0, at most 1")
+        if self.kv_bytes is not None and self.kv_bytes not in (1, 2, 4):
+            raise ValueError("a KV cache element is 1, 2 or 4 bytes")
+
 
 @dataclass(frozen=True)
 class VllmPlan:
@@ -53,7 +61,8 @@ class VllmPlan:
         return max(cache, 0) // self.sequence_bytes if self.sequence_bytes else 0
 
     def tokens_per_sequence(self, card_bytes: int) -> int:
-        """The tokens each of --max-num-seqs active sequences can hold (at most --max-model-len)."""
+        """The tokens each of --max-num-seqs active sequences can hold, in whole blocks (at most
+        --max-model-len)."""
         share = max(self.cache_bytes(card_bytes), 0) // self.settings.max_num_seqs
         full = self.layout.full_bytes_per_token(self.settings.kv_bytes)
         windowed = self.layout.windowed_bytes_per_token(self.settings.kv_bytes)
@@ -62,7 +71,7 @@ class VllmPlan:
             tokens = window + (share - window * (full + windowed)) // full if full else self.settings.max_model_len
         else:
             tokens = share // (full + windowed) if full + windowed else self.settings.max_model_len
-        return min(tokens, self.settings.max_model_len)
+        return min(tokens - tokens % BLOCK_TOKENS, self.settings.max_model_len)
 
     def problem(self, card_bytes: int) -> str | None:
         """Why vLLM would not start with these settings on this card, in one line; None when it would."""
