@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,36 +42,10 @@ from fleet.core import config
 from fleet.core.config import Profile
 from fleet.engines.llama_server import KV_LAYOUT, cache_args
 from fleet.localcloud import tinymodels, toolchain
-from fleet.localcloud.network import free_port
+from fleet.localcloud.llamaproc import llama_server
 
 REUSED = re.compile(r"graphs reused =\s+(\d+)")
 WORDS = "the caller asked about the delivery window and the agent read the order back to them "
-
-
-def serve(binary: Path, model: Path, port: int, flags: list[str], log: Path, timeout_s: float) -> subprocess.Popen:
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
-    with log.open("w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    stop(process)
-    raise SystemExit(f"llama-server did not start: {log.read_text()[-2000:]}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
 
 
 def prompt(slot: int, depth: int) -> str:
@@ -83,31 +54,31 @@ def prompt(slot: int, depth: int) -> str:
     return head + (WORDS * (depth // len(WORDS) + 1))[: max(depth - len(head), 1)]
 
 
-async def complete(client: httpx.AsyncClient, port: int, slot: int, depth: int, tokens: int) -> float:
+async def complete(client: httpx.AsyncClient, url: str, slot: int, depth: int, tokens: int) -> float:
     body = {"prompt": prompt(slot, depth), "n_predict": tokens, "id_slot": slot, "temperature": 0,
             "ignore_eos": True, "cache_prompt": True}  # fmt: skip
-    reply = await client.post(f"http://127.0.0.1:{port}/completion", json=body)
+    reply = await client.post(f"{url}/completion", json=body)
     if reply.status_code != 200:
         raise SystemExit(f"slot {slot}: llama-server answered {reply.status_code}: {reply.text[:500]}")
     return float(reply.json()["timings"]["predicted_per_second"])
 
 
-async def hold(port: int, slots: list[int], depth: int) -> None:
+async def hold(url: str, slots: list[int], depth: int) -> None:
     """Each slot holds a call of `depth` tokens, idle (one token generated), one after another."""
     async with httpx.AsyncClient(timeout=600) as client:
         for slot in slots:
-            await complete(client, port, slot, depth, 1)
+            await complete(client, url, slot, depth, 1)
 
 
-async def erase(port: int, slots: list[int]) -> None:
+async def erase(url: str, slots: list[int]) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
         for slot in slots:
-            (await client.post(f"http://127.0.0.1:{port}/slots/{slot}", params={"action": "erase"})).raise_for_status()
+            (await client.post(f"{url}/slots/{slot}", params={"action": "erase"})).raise_for_status()
 
 
-async def speak(port: int, slots: tuple[int, ...], depth: int, tokens: int) -> list[float]:
+async def speak(url: str, slots: tuple[int, ...], depth: int, tokens: int) -> list[float]:
     async with httpx.AsyncClient(timeout=600) as client:
-        return list(await asyncio.gather(*(complete(client, port, s, depth, tokens) for s in slots)))
+        return list(await asyncio.gather(*(complete(client, url, s, depth, tokens) for s in slots)))
 
 
 def reused(log: Path) -> int:
@@ -139,21 +110,19 @@ def measure(
     everyone = list(range(profile.slots))
     for name, flags in layouts(profile):
         log = work / f"server-{len(rows)}.log"
-        port = free_port()
         saves = work / "saves"  # a slot is erased through /slots, which wants a folder for saves it is never asked
         saves.mkdir(exist_ok=True)
-        process = serve(binary, model, port, [*flags, "--slot-save-path", str(saves)], log, timeout_s=600)
-        try:
+        with llama_server(binary, model, *flags, "--slot-save-path", str(saves), timeout_s=600, log=log) as url:
             for idle in (False, True):
                 if idle:
-                    asyncio.run(hold(port, everyone, depth))
+                    asyncio.run(hold(url, everyone, depth))
                 for calls in call_sets(profile.slots):
                     others = [s for s in everyone if s not in calls]
                     if not idle:
-                        asyncio.run(erase(port, others))
-                    asyncio.run(hold(port, list(calls), depth))  # the calls' own history, cached before the row
+                        asyncio.run(erase(url, others))
+                    asyncio.run(hold(url, list(calls), depth))  # the calls' own history, cached before the row
                     before = reused(log)
-                    rates = asyncio.run(speak(port, calls, depth, tokens))
+                    rates = asyncio.run(speak(url, calls, depth, tokens))
                     time.sleep(0.3)  # the last reply's timing line reaches the log
                     rows.append({"cache": name, "calls": list(calls), "idle_calls": len(others) if idle else 0,
                                  "depth": depth, "tokens": tokens, "tok_s_per_call": sum(rates) / len(rates),
@@ -161,8 +130,6 @@ def measure(
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     if keep:
                         keep.write_text(json.dumps(rows, indent=1))
-        finally:
-            stop(process)
     return rows
 
 
