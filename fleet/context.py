@@ -33,6 +33,7 @@ from fleet.localcloud import control as local_cloud
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from fleet.plan.gguf import GgufHeader
+from fleet.plan.snapshot import Snapshot
 from fleet.probes.server import Server
 
 C = TypeVar("C", bound="Context")
@@ -123,6 +124,7 @@ class Context:
         self.waits = Waits()
         self.headers: dict[str, GgufHeader] = {}  # by URL: a file at a pinned revision never changes
         self.templates: dict[str, tuple[str | None, str]] = {}  # by profile: (text, where it came from)
+        self.snapshots: dict[str, Snapshot] = {}  # by repo@revision: the hub's listing, read once per process
         # an API key that may not add fleet's SSH key to the account (no user_write) attaches it to each instance
         self.key_per_instance = False
         self._market = market

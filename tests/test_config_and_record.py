@@ -135,8 +135,36 @@ def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
     (tmp_path / "tag.toml").write_text(text)
     with pytest.raises(config.ConfigError, match="pin it by digest"):
         config.load(tmp_path / "tag.toml")
-    (tmp_path / "digest.toml").write_text(text.replace(image.group(0), f'image = "{image.group(1)}{digest}"'))
-    assert config.load(tmp_path / "digest.toml").provider.image == image.group(1) + digest
+    pinned = text.replace(image.group(0), f'image = "{image.group(1)}{digest}"')
+    (tmp_path / "one.toml").write_text(pinned)
+    with pytest.raises(config.ConfigError, match="vllm_image: pin it by digest"):  # the vLLM image too
+        config.load(tmp_path / "one.toml")
+    vllm = re.search(r'^vllm_image = "([^"]+)"$', text, re.M)
+    assert vllm
+    (tmp_path / "digest.toml").write_text(pinned.replace(vllm.group(0), f'vllm_image = "{vllm.group(1)}{digest}"'))
+    loaded = config.load(tmp_path / "digest.toml")
+    assert loaded.provider.image == image.group(1) + digest
+    assert loaded.provider.image_for("vllm") == vllm.group(1) + digest
+    assert loaded.provider.image_for("llama-server") == image.group(1) + digest
+
+
+def test_a_vllm_profile_needs_the_vllm_image_and_a_repository(tmp_path):
+    text = (ROOT / "fleet.toml").read_text()
+    vllm = re.search(r'^vllm_image = "([^"]+)"\n', text, re.M)
+    assert vllm
+    (tmp_path / "none.toml").write_text(text.replace(vllm.group(0), ""))
+    with pytest.raises(config.ConfigError, match=r"models\.tiny-vllm: engine = 'vllm' needs provider\.vllm_image"):
+        config.load(tmp_path / "none.toml")
+    snapshot = 'snapshot = { repo = "fleet-local/tiny-llama-hf", revision = "main" }'
+    assert snapshot in text
+    (tmp_path / "files.toml").write_text(text.replace(snapshot, 'files = [{ key = "main", repo = "a/b", file = "c" }]'))
+    with pytest.raises(config.ConfigError, match="give snapshot"):
+        config.load(tmp_path / "files.toml")
+    flags = '"--block-size", "32"]'
+    assert flags in text
+    (tmp_path / "flag.toml").write_text(text.replace(flags, '"--block-size", "32", "--max-model-len", "9"]'))
+    with pytest.raises(config.ConfigError, match="--max-model-len is set by fleet"):
+        config.load(tmp_path / "flag.toml")
 
 
 def test_migrations_build_exactly_the_models_schema(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from fleet.control.up import UpRequest
 from fleet.core.config import VoiceTarget
 from fleet.economics.capacity import judge_level
-from fleet.engines.llama_server import requests_processing
+from fleet.engines.metrics import requests_in_flight
 from fleet.probes.template import TemplateError, bundled
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import sag_after_first_reply
@@ -136,7 +136,7 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
             async with fleet.server(host).client(timeout=10) as client:
 
                 async def in_flight() -> int:
-                    return requests_processing((await client.get("/metrics")).raise_for_status().text) or 0
+                    return requests_in_flight((await client.get("/metrics")).raise_for_status().text) or 0
 
                 # from when the load callers are all decoding (a busy machine takes its time connecting them)
                 while not probe.done() and await in_flight() < 3:

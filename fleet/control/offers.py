@@ -16,7 +16,7 @@ from fleet.economics.selection import Expectation
 from fleet.engines.llama_server import COMPUTE_CAPS
 from fleet.host import profile as profiles
 from fleet.market import Offer
-from fleet.plan.memory import GIB, Plan
+from fleet.plan.memory import GIB
 
 
 def criteria(
@@ -25,9 +25,9 @@ def criteria(
     region: str,
     max_price: float | None,
     excluded: set[int] | None = None,
-    plan: Plan | None = None,
+    need: profiles.CardNeed | None = None,
 ) -> offer_rules.Criteria:
-    plan_gib = plan.total_bytes() / GIB if plan else 0.0
+    plan_gib = need.card_bytes / GIB if need else 0.0
     return offer_rules.Criteria(
         countries=frozenset(ctx.settings.region(region)),
         filters=ctx.settings.filters,
@@ -35,9 +35,10 @@ def criteria(
         plan_gib=plan_gib,
         max_usd_per_hour=max_price,
         excluded_machines=frozenset(excluded or ()),
-        compute_caps=COMPUTE_CAPS,
+        # the image's builds, narrowed by the profile (NVFP4 wants Blackwell's own)
+        compute_caps=tuple(c for c in COMPUTE_CAPS if not profile.compute_caps or c in profile.compute_caps),
         contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
-        pull_gb=plan.file_bytes / offer_rules.GB if plan else 0.0,
+        pull_gb=need.pull_bytes / offer_rules.GB if need else 0.0,
     )
 
 
@@ -55,7 +56,7 @@ async def search(
     card alone, so that the funnel counts what each filter removes."""
     profile = ctx.settings.profile(model)
     excluded = unusable_machines(ctx) if exclude_unusable else set()
-    wanted = criteria(ctx, profile, region, max_price, excluded, await profiles.plan(ctx, model))
+    wanted = criteria(ctx, profile, region, max_price, excluded, await profiles.card_need(ctx, profile))
     query = offer_rules.query_for(wanted, profile, pool_only=explain)
     async with ctx.waits.on("market"):
         found = await ctx.market.search(query)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fleet.core import paths
 from fleet.core.countries import ISO_3166_ALPHA_2
-from fleet.core.errors import BadInput
 from fleet.core.gatewaysettings import Gateway
 
 # A profile's own models live in profiles.py; fleet.toml's settings hold them, so they are named here too.
@@ -28,139 +25,25 @@ from fleet.core.profiles import (
     Traffic,
     VoiceTarget,
 )
+from fleet.core.services import HUGGING_FACE, ConfigError, Database, Hub, Provider, verified_database_url
 
 __all__ = [
     "TURN_SHAPES",
     "ConfigError",
+    "Database",
+    "Hub",
     "ModelFile",
     "Profile",
     "ProfileProbes",
+    "Provider",
     "Settings",
     "Traffic",
     "VoiceTarget",
     "load",
+    "verified_database_url",
 ]
 
 DEFAULT_CONFIG = "fleet.toml"
-LOCAL = "local"
-HUGGING_FACE = "https://huggingface.co"
-
-
-class ConfigError(BadInput, ValueError):
-    """A config problem: one line that names the file and the key."""
-
-
-IMAGE = re.compile(r"[a-z0-9][a-z0-9._/-]{0,254}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?")
-
-
-class Provider(Strict):
-    url: str = LOCAL
-    api_key_env: str = "VAST_API_KEY"
-    api_key_file: str = "~/.config/vastai/vast_api_key"
-    image: str
-    # Instances in flight are read in one listing, at first every second, then less often as they age,
-    # down to once per this many seconds (vast.ai's docs: boot takes minutes; poll every 10 s).
-    poll_max_interval_s: Annotated[float, Field(ge=1, le=120)] = 10
-    # How long one request to the marketplace may take. A create that times out is never sent again: its
-    # instance, if any, is found by its label.
-    request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
-    # A private image: the registry user, and the environment variable holding its token (vast.ai pulls
-    # with `-u USER -p TOKEN REGISTRY`; the token goes only into the create call, never into a log).
-    registry_user: Annotated[str, Field(pattern=r"^[^\s]*$", max_length=256)] = ""
-    registry_token_env: str = "FLEET_REGISTRY_TOKEN"
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        return v if v == LOCAL else encrypted_url(v)
-
-    @model_validator(mode="after")
-    def _image_by_digest(self) -> Provider:
-        # A tag names whatever its registry says today: a host on vast.ai boots the image its digest names.
-        if not IMAGE.fullmatch(self.image):
-            raise ValueError(f"image: {self.image[:80]!r} is not an image reference (NAME[:TAG][@sha256:DIGEST])")
-        if not self.is_local and "@sha256:" not in self.image:
-            raise ValueError(
-                "image: pin it by digest off the local cloud (NAME:TAG@sha256:<64 hex>): a tag can be moved"
-                " to other contents"
-            )
-        return self
-
-    @property
-    def is_local(self) -> bool:
-        return self.url == LOCAL
-
-
-class Hub(Strict):
-    url: str = "auto"
-    token_env: str = "HF_TOKEN"
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        return v if v == "auto" else encrypted_url(v)
-
-
-def encrypted_url(url: str) -> str:
-    """An https:// URL; plain http:// only to this machine's loopback, where no one is on the path."""
-    m = re.match(r"^(https?)://(\[[0-9a-fA-F:]+\]|[^\s/:]+)(:\d+)?(/\S*)?$", url)
-    if not m:
-        raise ValueError(f"must be an https:// URL, not {url!r}")
-    host = m.group(2).strip("[]")
-    if m.group(1) == "http" and not (host == "localhost" or _loopback(host)):
-        raise ValueError(f"{url!r}: plain http crosses the network in clear; use https://")
-    return url.rstrip("/")
-
-
-def verified_database_url(url: str) -> str:
-    """A PostgreSQL URL that reaches a server off this machine only with its certificate verified
-    (sslmode=verify-full): the record holds every host's address, bill and nonce. A Unix socket or loopback
-    needs none. The URL is never echoed: it may carry a password."""
-    parts = urlsplit(url)
-    if not parts.scheme.startswith("postgresql"):
-        raise ValueError("must be a postgresql:// URL (SQLite is set with path)")
-    query = parse_qs(parts.query)
-    hosts = [h for h in query.get("host", []) if h] or ([parts.hostname] if parts.hostname else [])
-    remote = [h for h in hosts if not (h.startswith("/") or h == "localhost" or _loopback(h))]
-    if remote and query.get("sslmode") != ["verify-full"]:
-        raise ValueError(
-            f"PostgreSQL at {remote[0][:100]} is off this machine: add sslmode=verify-full to the URL "
-            "(with sslrootcert= for a private CA), so that the server's certificate is checked"
-        )
-    return url
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class Database(Strict):
-    path: str | None = None  # the SQLite file; default: fleet.db in fleet's state directory (core/paths.py)
-    # PostgreSQL instead of SQLite, for several daemons: postgresql+psycopg://user@host:port/db.
-    # FLEET_DATABASE_URL overrides it (a password belongs in the environment, not in this file).
-    url: str | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str | None) -> str | None:
-        return verified_database_url(v) if v is not None else None
-
-    @property
-    def file(self) -> Path:
-        return Path(os.path.expanduser(self.path)) if self.path else paths.state_dir() / "fleet.db"
-
-    @property
-    def target(self) -> Path | str:
-        """The PostgreSQL URL when one is set, else the SQLite file."""
-        if env := os.environ.get("FLEET_DATABASE_URL"):
-            try:
-                return verified_database_url(env)
-            except ValueError as e:
-                raise ConfigError(f"FLEET_DATABASE_URL: {e}") from None
-        return self.url or self.file
 
 
 class Filters(Strict):
@@ -331,6 +214,13 @@ class Settings(Strict):
         peers = [p.split("=", 1)[0] for p in self.gateway.peers]
         if peers and self.gateway.peer_name not in peers:
             raise ValueError("gateway.peer_name: name this instance among gateway.peers")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_images(self) -> Settings:
+        for name, profile in self.models.items():
+            if profile.engine == "vllm" and not self.provider.vllm_image:
+                raise ValueError(f"models.{name}: engine = 'vllm' needs provider.vllm_image (images/vllm/)")
         return self
 
     def profile(self, name: str) -> Profile:

@@ -37,6 +37,17 @@ class ModelFile(Strict):
     sha256: Annotated[str | None, Field(pattern=r"^[0-9a-f]{64}$")] = None
 
 
+class Snapshot(Strict):
+    """A Hugging Face repository a vLLM host serves whole: its config, tokenizer, chat template and safetensors
+    shards, listed by the hub's API at `revision` (pin a commit: a branch moves)."""
+
+    repo: Annotated[str, Field(pattern=rf"^{PATH_PART}/{PATH_PART}$")]
+    revision: Annotated[str, Field(pattern=rf"^{PATH_PART}$")] = "main"
+
+
+ENGINES = ("llama-server", "vllm")
+
+
 class ProfileProbes(Strict):
     """How big the probes' conversations are for this model (a real card vs the tiny CPU model)."""
 
@@ -64,12 +75,15 @@ class VoiceTarget(Strict):
 class Profile(Strict):
     name: str = ""
     description: str = ""
+    # What serves it: llama.cpp's llama-server from GGUF `files`, or vLLM from a repository `snapshot`
+    engine: Literal["llama-server", "vllm"] = "llama-server"
     gpu_ram_gb: Annotated[float, Field(ge=0)]
     disk_gb: Annotated[float, Field(ge=8)]
     slots: Annotated[int, Field(ge=1)]
     ctx_per_slot: Annotated[int, Field(ge=256)]
     traffic_gb_per_hour: Traffic = Traffic()
-    files: Annotated[list[ModelFile], Field(min_length=1)]
+    files: list[ModelFile] = []  # llama-server: the GGUF files, one of them key "main"
+    snapshot: Snapshot | None = None  # vllm: the repository
     args: list[str] = []
     # The chat template llama-server uses (--chat-template-file): a file fleet ships (fleet/templates/),
     # named by file name, or a path (relative to fleet.toml); none: the one in the model file
@@ -78,6 +92,9 @@ class Profile(Strict):
     accept_template_breaks: list[str] = []
     probes: ProfileProbes = ProfileProbes()
     voice: VoiceTarget = VoiceTarget()
+    # Compute capabilities the profile runs on, as vast.ai gives them (x 100: 1200 is 12.0); none: every one
+    # the image is built for. NVFP4 weights need Blackwell's (1000, 1200).
+    compute_caps: list[Annotated[int, Field(ge=300, le=2000)]] = []
     # GPU memory llama.cpp takes beyond weights and cache with this profile's flags (the CUDA context and its
     # libraries, the compute buffers of the target and any draft), as `bench/gpu/run plan` measured it; its
     # compute buffers follow ggml's allocator, not the header. Unset: [plan] runtime_overhead_mib.
@@ -102,6 +119,10 @@ class Profile(Strict):
 
     @model_validator(mode="after")
     def _files(self) -> Profile:
+        if self.engine == "vllm":
+            return self._vllm()
+        if self.snapshot is not None:
+            raise ValueError("snapshot: a repository snapshot is what a vllm profile serves (engine = 'vllm')")
         keys = [f.key for f in self.files]
         if "main" not in keys:
             raise ValueError("files: one file must have key = 'main'")
@@ -125,3 +146,30 @@ class Profile(Strict):
         if "-c" in self.args and self.args[self.args.index("-c") + 1 :][:1] != [str(self.slots * self.ctx_per_slot)]:
             raise ValueError(f"args: -c must equal slots x ctx_per_slot ({self.slots * self.ctx_per_slot})")
         return self
+
+    def _vllm(self) -> Profile:
+        if self.snapshot is None or self.files:
+            raise ValueError("engine = 'vllm' serves a repository: give snapshot = { repo, revision }, not files")
+        for arg in self.args:
+            if any(c in arg for c in "\0\n\r"):
+                raise ValueError(f"args: {arg!r} holds a NUL or a line break")
+            flag = arg.split("=", 1)[0]
+            if flag in VLLM_SET_BY_FLEET:
+                raise ValueError(f"args: {flag} is set by fleet, not the profile ({VLLM_SET_BY_FLEET[flag]})")
+        return self
+
+
+# vLLM's flags fleet sets itself, and from what
+VLLM_SET_BY_FLEET = {
+    "--api-key": "the host's key, in the server's environment",
+    "--port": "the service port",
+    "--host": "the image's listen address",
+    "--model": "snapshot",
+    "--served-model-name": "the profile's name",
+    "--max-num-seqs": "slots",
+    "--max-model-len": "ctx_per_slot",
+    "--chat-template": "chat_template",
+    "--ssl-keyfile": "the host's TLS key",
+    "--ssl-certfile": "the certificate fleet's CA signs",
+    "--enable-prompt-tokens-details": "always on: a warm turn reports its cached tokens",
+}

@@ -1,16 +1,9 @@
-"""llama.cpp's llama-server: its argv from a profile, and what a reply's `timings` object says.
-
-Every completion llama-server answers carries `timings` (`prompt_n`, `prompt_ms`, `cache_n`,
-`predicted_n`, `predicted_per_second`): how many prompt tokens it processed, how many it took from its
-cache, how many it generated and how fast. A field the reply lacks or gives in another type reads as
-absent, never as a crash.
-"""
+"""llama.cpp's llama-server: its argv from a profile, and the KV cache layout fleet gives a multi-slot host.
+What its replies report is read in fleet/engines/replies.py, its /metrics in fleet/engines/metrics.py."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
 
 from fleet.core.config import Profile
 from fleet.engines import TEMPLATE_FILE, TLS_CERT_FILE, TLS_KEY_FILE
@@ -28,8 +21,6 @@ COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
 EXPOSURE = ["--no-slots", "--no-webui", "--metrics"]
 # Every host serves HTTPS alone: a call's transcript crosses the internet (fleet/core/tls.py signs the cert).
 TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
-# Prometheus gauge of the requests a server is processing now
-REQUESTS_PROCESSING = "llamacpp:requests_processing"
 
 
 # The flags that choose the KV cache's layout, a slot's context in a shared cache, and whether an idle slot's
@@ -76,41 +67,3 @@ def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile_args(profile)]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
     return ["-m", files["main"], *args, *template, *EXPOSURE, *TLS, "--port", str(port), "-a", profile.name]
-
-
-def requests_processing(metrics: str) -> int | None:
-    """The requests in flight, from a /metrics answer (Prometheus text); None when it does not say."""
-    for line in metrics.splitlines():
-        name, _, value = line.partition(" ")
-        if name == REQUESTS_PROCESSING:
-            try:
-                number = float(value.strip())
-            except ValueError:
-                return None
-            return int(number) if number >= 0 and number == int(number) else None
-    return None
-
-
-@dataclass(frozen=True)
-class Timings:
-    """What one reply's `timings` says; 0 for a count it lacks, None for a rate it lacks."""
-
-    prompt_n: int = 0  # prompt tokens processed for this request
-    cache_n: int = 0  # prompt tokens taken from the slot's cache
-    predicted_n: int = 0  # tokens generated
-    predicted_per_second: float | None = None  # the server's own decode rate for this reply
-
-    @classmethod
-    def of(cls, timings: dict[str, Any] | None) -> Timings:
-        t = timings if isinstance(timings, dict) else {}
-        rate = t.get("predicted_per_second")
-        return cls(
-            prompt_n=_count(t.get("prompt_n")),
-            cache_n=_count(t.get("cache_n")),
-            predicted_n=_count(t.get("predicted_n")),
-            predicted_per_second=float(rate) if isinstance(rate, int | float) and rate > 0 else None,
-        )
-
-
-def _count(value: object) -> int:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0

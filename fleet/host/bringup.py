@@ -26,16 +26,17 @@ from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.keys import new_host_key
 from fleet.core.models import Host, HostState, utcnow
-from fleet.engines import SERVICE_PORT
+from fleet.engines import SERVICE_PORT, serving
 from fleet.host import addresses, certificate, hostkey
 from fleet.host import ops as hostops
 from fleet.host import profile as profiles
+from fleet.host import snapshot as snapshots
 from fleet.host.instance import wait_running, wait_stopped
 from fleet.host.measure import probe_host
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, connect
 from fleet.market import AuthError, CreateFailed, CreditSpent, Instance, InstanceSpec, MarketError, Offer, OfferGone
-from fleet.plan.memory import card_problem
+from fleet.plan.memory import MIB, card_problem
 from fleet.probes import ProbeResult
 from fleet.probes.server import Server
 from fleet.probes.thermal import sample_card
@@ -132,7 +133,7 @@ class BringUp:
         assert offer is not None
         host_key = new_host_key()
         spec = InstanceSpec(
-            image=ctx.settings.provider.image,
+            image=ctx.settings.provider.image_for(self.profile.engine),
             disk_gb=self.profile.disk_gb,
             label=host.label,
             env={},
@@ -231,17 +232,34 @@ class BringUp:
                 failpoints.reach("mid_pull")
             ctx.reporter.progress(host.name, name, done, total)
 
+        token = profiles.hub_token(ctx)
         if self.resume:
             async with ctx.waits.on("pull"):
-                token = os.environ.get(ctx.settings.hub.token_env, "")
-                self.files = await hostops.kept_files(self.conn, self.profile, ctx.hub_url, token)
+                if self.profile.engine == "vllm":
+                    self.files = await snapshots.kept_snapshot(self.conn, await profiles.snapshot(ctx, self.profile))
+                else:
+                    self.files = await hostops.kept_files(self.conn, self.profile, ctx.hub_url, token)
+            return
+        if self.profile.engine == "vllm":
+            async with ctx.waits.on("pull"):
+                self.files = await snapshots.pull_snapshot(
+                    self.conn,
+                    await profiles.snapshot(ctx, self.profile),
+                    ctx.hub_url,
+                    token,
+                    ctx.settings.up.pull_connections,
+                    self.pull_limit_s,
+                    progress,
+                    ctx.settings.timeouts.pull_stall,
+                )
+            ctx.record.update(host, pulled_at=utcnow(), pulled_bytes=sum(sizes.values()))
             return
         async with ctx.waits.on("pull"):
             self.files = await hostops.pull_files(
                 self.conn,
                 self.profile,
                 ctx.hub_url,
-                os.environ.get(ctx.settings.hub.token_env, ""),
+                token,
                 ctx.settings.up.pull_connections,
                 self.pull_limit_s,
                 progress,
@@ -281,13 +299,18 @@ class BringUp:
         used = sum(s.mem_used_mib or 0 for s in samples)
         names = ", ".join(sorted({s.name or "unknown" for s in samples}))
         self.ctx.record.event("card", "loaded", f"{names}: {used:.0f} of {total:.0f} MiB in use", self.host.id)
-        problem = card_problem(await profiles.plan(self.ctx, self.profile.name), total, used)
+        if self.profile.engine == "vllm":
+            # vLLM takes --gpu-memory-utilization of the card whatever it needs: its plan says whether it fits
+            problem = (await profiles.vllm_plan(self.ctx, self.profile)).problem(int(total * MIB))
+        else:
+            problem = card_problem(await profiles.plan(self.ctx, self.profile.name), total, used)
         if problem:
             raise PhaseFailed("start", problem)
 
     async def probe(self) -> None:
         names = list(self.profile.probes.on_up)
-        self.ctx.reporter.info(self.host.name, f"llama-server up at {self.host.api_url}; probing: {', '.join(names)}")
+        server = serving.server_name(self.profile)
+        self.ctx.reporter.info(self.host.name, f"{server} up at {self.host.api_url}; probing: {', '.join(names)}")
         results = await probe_host(
             self.ctx, self.host, self.profile, names, self.conn, self.ctx.settings.timeouts.probes
         )

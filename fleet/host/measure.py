@@ -18,6 +18,7 @@ from fleet.core.config import Profile
 from fleet.core.errors import FleetError
 from fleet.core.models import BenchRun, Host, HostState, ProbeRun
 from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voice_minute
+from fleet.host import profile as profiles
 from fleet.host.endpoints import publish
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import HostKeyMismatch, connect
@@ -65,7 +66,8 @@ async def probe_host(
     assert host.api_url
     try:
         async with asyncio.timeout(timeout_s), ctx.waits.on("server"):
-            results = await run_probes(names, ctx.server(host), profile, ctx.settings, ssh, plot_path)
+            template = (await profiles.template(ctx, profile))[0] if profile.engine == "vllm" else None
+            results = await run_probes(names, ctx.server(host), profile, ctx.settings, ssh, plot_path, template)
     except (TimeoutError, httpx.HTTPError, FleetError, OSError) as e:
         raise PhaseFailed("probes", f"probing failed: {type(e).__name__}: {e}") from None
     for result in results:
@@ -113,7 +115,8 @@ async def bench(
     profile's voice target; record the levels, the capacity and the cost per voice-minute."""
     host = serving_host(ctx, name)
     assert host.api_url and host.id is not None
-    target = ctx.settings.profile(host.model).voice
+    profile = ctx.settings.profile(host.model)
+    target = profile.voice
     levels = await run_bench(
         ctx.server(host),
         load_call(),
@@ -123,6 +126,8 @@ async def bench(
         max_tokens=max_tokens,
         search=lambda most: lambda measured: next_level(measured, target, most),
         slots_started=host.slots,
+        engine=profile.engine,
+        ctx_per_slot=profile.ctx_per_slot,
     )
     held = capacity({lv.callers: lv for lv in levels}, target, max_callers or max(lv.callers for lv in levels))
     if held.callers > host.slots:

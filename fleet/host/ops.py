@@ -16,8 +16,7 @@ import asyncssh
 import httpx
 
 from fleet.core.config import Profile
-from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE
-from fleet.engines.llama_server import server_argv
+from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE, serving
 from fleet.host import hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
@@ -47,25 +46,42 @@ async def pull_files(
             for f in profile.files:
                 url = f"{hub_url}/{f.repo}/resolve/{f.revision}/{f.file}"
                 dest = f"{MODELS_DIR}/{f.file}"
-                hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=f.sha256)
-                pulled = _FilePull(f.file, hub_file.size, progress)
-                for renewal in range(URL_RENEWALS + 1):
-                    grown_to = pulled.moved_to
-                    try:
-                        last = await pulled.run(conn, hub_file, dest, connections, stall_s)
-                        break
-                    except RemoteError as e:
-                        if pulled.moved_to <= grown_to or renewal == URL_RENEWALS:
-                            raise PhaseFailed("pull", str(e)) from None
-                        # a long pull outlives its signed URL
-                        hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=f.sha256)
-                if last != f"ok {hub_file.sha256} {hub_file.size}":
-                    raise PhaseFailed("pull", f"{f.file}: unexpected result {last[:120]!r}")
-                progress(f.file, hub_file.size, hub_file.size)
+                await pull_file(conn, url, f.file, dest, hf_token, f.sha256, connections, stall_s, progress)
                 paths[f.key] = dest
     except TimeoutError:
         raise PhaseFailed("pull", f"not done after {timeout_s:g}s (timeouts.pull)") from None
     return paths
+
+
+async def pull_file(
+    conn: asyncssh.SSHClientConnection,
+    url: str,
+    name: str,
+    dest: str,
+    hf_token: str,
+    sha256: str | None,
+    connections: int,
+    stall_s: float,
+    progress: Callable[[str, int, int], None],
+) -> int:
+    """One file from the hub's `url` to `dest` on the host by fleet-pull (aria2c, then its sha256 checked
+    against the hub's and `sha256` where given), a fresh signed URL for each renewal; its size."""
+    hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=sha256)
+    pulled = _FilePull(name, hub_file.size, progress)
+    for renewal in range(URL_RENEWALS + 1):
+        grown_to = pulled.moved_to
+        try:
+            last = await pulled.run(conn, hub_file, dest, connections, stall_s)
+            break
+        except RemoteError as e:
+            if pulled.moved_to <= grown_to or renewal == URL_RENEWALS:
+                raise PhaseFailed("pull", str(e)) from None
+            # a long pull outlives its signed URL
+            hub_file = await hubfile.resolve(url, hf_token, pinned_sha256=sha256)
+    if last != f"ok {hub_file.sha256} {hub_file.size}":
+        raise PhaseFailed("pull", f"{name}: unexpected result {last[:120]!r}")
+    progress(name, hub_file.size, hub_file.size)
+    return hub_file.size
 
 
 class _FilePull:
@@ -136,15 +152,15 @@ async def start_server(
     timeout_s: float,
     chat_template: str | None = None,
 ) -> None:
-    """Put the profile's chat template on the host (its text on stdin), start llama-server (the key on
-    stdin) and wait for /health over verified TLS; fail fast when it dies."""
+    """Put the profile's chat template on the host (its text on stdin), start its server (the key on stdin)
+    and wait for /health over verified TLS; fail fast when it dies."""
     try:
         if chat_template is not None:
             put = 'mkdir -p "$1" && chmod 700 "$1" && cat > "$2"'
             await run(conn, ["sh", "-c", put, "sh", RUN_DIR, TEMPLATE_FILE], stdin=chat_template, timeout_s=60)
         await run(
             conn,
-            ["fleet-serve", RUN_DIR, "--", *server_argv(profile, port, files)],
+            ["fleet-serve", RUN_DIR, "--", *serving.server_argv(profile, port, files)],
             stdin=f"{server.api_key}\n",
             timeout_s=60,
         )
@@ -165,23 +181,26 @@ async def start_server(
             except httpx.TransportError:
                 pass
             polls += 1
-            if polls % 20 == 0 and not await server_alive(conn):
-                raise PhaseFailed("start", f"llama-server exited: {await server_log_tail(conn)}")
+            if polls % 20 == 0 and not await server_alive(conn, profile):
+                name = serving.server_name(profile)
+                raise PhaseFailed("start", f"{name} exited: {await server_log_tail(conn, profile)}")
             await asyncio.sleep(0.1)
-    raise PhaseFailed("start", f"no /health 200 after {timeout_s:g}s (timeouts.load): {await server_log_tail(conn)}")
+    tail = await server_log_tail(conn, profile)
+    raise PhaseFailed("start", f"no /health 200 after {timeout_s:g}s (timeouts.load): {tail}")
 
 
-async def server_alive(conn: asyncssh.SSHClientConnection) -> bool:
+async def server_alive(conn: asyncssh.SSHClientConnection, profile: Profile) -> bool:
+    pid = f"{RUN_DIR}/{serving.pid_file(profile)}"
     try:
-        await run(conn, ["sh", "-c", 'kill -0 "$(cat "$1/llama-server.pid")"', "sh", RUN_DIR], timeout_s=30)
+        await run(conn, ["sh", "-c", 'kill -0 "$(cat "$1")"', "sh", pid], timeout_s=30)
     except RemoteError:
         return False
     return True
 
 
-async def server_log_tail(conn: asyncssh.SSHClientConnection) -> str:
+async def server_log_tail(conn: asyncssh.SSHClientConnection, profile: Profile) -> str:
     try:
-        result = await run(conn, ["tail", "-n", "3", f"{RUN_DIR}/llama-server.log"], timeout_s=30)
+        result = await run(conn, ["tail", "-n", "3", f"{RUN_DIR}/{serving.log_file(profile)}"], timeout_s=30)
     except RemoteError:
         return "no log"
     return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"

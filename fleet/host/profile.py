@@ -1,18 +1,24 @@
 """What a profile resolves to for its hosts: where its files are, their GGUF headers (read over HTTP
-ranges, once per process), the GPU memory plan they imply, and the chat template a host is given."""
+ranges, once per process) or its repository's listing, the GPU memory plan they imply, and the chat
+template a host is given."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from dataclasses import dataclass
 
 from fleet.context import Context
 from fleet.core import paths
 from fleet.core.config import Profile
 from fleet.core.models import Host
-from fleet.plan import gguf
+from fleet.plan import gguf, hfconfig, safetensors
+from fleet.plan import snapshot as snapshots
 from fleet.plan.gguf import GgufHeader
 from fleet.plan.memory import MIB, Plan, PlanSettings, cache_settings_from_args, make_plan
+from fleet.plan.snapshot import Snapshot
+from fleet.plan.vllm import VllmPlan, VllmSettings
 from fleet.probes import template as chat_templates
 from fleet.probes.renderings import Renderings
 
@@ -40,6 +46,79 @@ async def header(ctx: Context, url: str) -> GgufHeader:
                 progress=progress,
             )
     return ctx.headers[url]
+
+
+@dataclass(frozen=True)
+class CardNeed:
+    card_bytes: int  # the smallest card the profile's plan fits
+    pull_bytes: int  # what a bring-up downloads
+
+
+async def card_need(ctx: Context, profile: Profile) -> CardNeed:
+    """What an offer's card and link must carry for this profile, from its plan."""
+    if profile.engine == "vllm":
+        vllm = await vllm_plan(ctx, profile)
+        return CardNeed(vllm.card_bytes_needed(), sum(f.size for f in (await snapshot(ctx, profile)).files))
+    found = await plan(ctx, profile.name)
+    return CardNeed(found.total_bytes(), found.file_bytes)
+
+
+def hub_token(ctx: Context) -> str:
+    return os.environ.get(ctx.settings.hub.token_env, "")
+
+
+async def snapshot(ctx: Context, profile: Profile) -> Snapshot:
+    """The profile's repository as the hub lists it at its revision: read once per process."""
+    assert profile.snapshot is not None
+    key = f"{profile.snapshot.repo}@{profile.snapshot.revision}"
+    if key not in ctx.snapshots:
+        async with ctx.waits.on("hub"):
+            ctx.snapshots[key] = await snapshots.listing(
+                ctx.hub_url, profile.snapshot.repo, profile.snapshot.revision, hub_token(ctx)
+            )
+    return ctx.snapshots[key]
+
+
+async def vllm_plan(ctx: Context, profile: Profile) -> VllmPlan:
+    """What vLLM leaves each sequence, from the repository's headers alone: every safetensors file's JSON
+    header by HTTP ranges, config.json for the KV cache per token, and the profile's settings."""
+    repo = await snapshot(ctx, profile)
+    token = hub_token(ctx)
+    auth = {"Authorization": f"Bearer {token}"} if token else None
+    config = next((f for f in repo.files if f.name == "config.json"), None)
+    if config is None:
+        raise hfconfig.ConfigJsonError(f"{repo.repo}: no config.json")
+    async with ctx.waits.on("hub"):
+        text = await snapshots.small_file(ctx.hub_url, repo, config, token)
+        layout = hfconfig.parse(text, f"{repo.repo}/config.json")
+        weights = 0
+        for f in repo.files:
+            if f.name.endswith(".safetensors"):
+                header = await safetensors.read_url(repo.resolve_url(ctx.hub_url, f.name), auth)
+                weights += header.data_bytes
+    settings = VllmSettings(
+        max_model_len=profile.ctx_per_slot,
+        max_num_seqs=profile.slots,
+        gpu_memory_utilization=_float_arg(profile.args, "--gpu-memory-utilization", 0.9),
+        kv_bytes=1 if _arg(profile.args, "--kv-cache-dtype", "auto").startswith("fp8") else None,
+    )
+    return VllmPlan(profile.name, weights, layout, settings, int(ctx.settings.plan.runtime_mib_for(profile) * MIB))
+
+
+def _arg(args: list[str], flag: str, default: str) -> str:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def _float_arg(args: list[str], flag: str, default: float) -> float:
+    try:
+        return float(_arg(args, flag, str(default)))
+    except ValueError:
+        raise ValueError(f"args: {flag} takes a number") from None
 
 
 async def plan(
@@ -72,12 +151,34 @@ async def template(ctx: Context, profile: Profile) -> tuple[str | None, str]:
     file's own (None when it carries none: llama-server falls back to its default)."""
     if profile.name not in ctx.templates:
         embedded = None
-        if profile.chat_template is None:
+        if profile.chat_template is None and profile.engine == "vllm":
+            embedded = await _repo_template(ctx, profile)
+        elif profile.chat_template is None:
             main = next(f for f in profile.files if f.key == "main")
             found = await header(ctx, file_url(ctx, main.repo, main.revision, main.file))
             embedded = found.metadata.get("tokenizer.chat_template")
         ctx.templates[profile.name] = chat_templates.template_text(profile, ctx.settings.source.parent, embedded)
     return ctx.templates[profile.name]
+
+
+async def _repo_template(ctx: Context, profile: Profile) -> str | None:
+    """The repository's own template: chat_template.jinja, else tokenizer_config.json's chat_template (a
+    text, or the one named "default" of a list)."""
+    repo = await snapshot(ctx, profile)
+    files = {f.name: f for f in repo.files}
+    token = hub_token(ctx)
+    if "chat_template.jinja" in files:
+        return (await snapshots.small_file(ctx.hub_url, repo, files["chat_template.jinja"], token)).decode("utf-8")
+    if "tokenizer_config.json" not in files:
+        return None
+    raw = await snapshots.small_file(ctx.hub_url, repo, files["tokenizer_config.json"], token)
+    try:
+        found = json.loads(raw).get("chat_template")
+    except (ValueError, AttributeError, RecursionError):
+        raise snapshots.SnapshotError(f"{repo.repo}/tokenizer_config.json: not a JSON object") from None
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+    return found if isinstance(found, str) else None
 
 
 async def chat_template(ctx: Context, profile: Profile) -> str | None:
@@ -105,5 +206,8 @@ async def pull_deadline(ctx: Context, host: Host, profile: Profile) -> float:
     t = ctx.settings.timeouts
     if host.inet_down_mbps <= 0:
         return t.pull
-    size = (await plan(ctx, profile.name)).file_bytes
+    if profile.engine == "vllm":
+        size = sum(f.size for f in (await snapshot(ctx, profile)).files)
+    else:
+        size = (await plan(ctx, profile.name)).file_bytes
     return max(t.pull, size / (host.inet_down_mbps * 1e6 / 8 * t.pull_speed_share))

@@ -21,7 +21,7 @@ from fleet.context import Context
 from fleet.core import failpoints
 from fleet.core.models import Blacklist, Host, HostState, as_utc, utcnow
 from fleet.economics.bill import accrued_usd
-from fleet.engines.llama_server import requests_processing
+from fleet.engines.metrics import requests_in_flight
 from fleet.host.attempts import end_attempt
 from fleet.host.endpoints import publish
 from fleet.market import MarketError
@@ -44,7 +44,7 @@ async def drain(ctx: Context, host: Host, timeout_s: float | None = None) -> Non
                 return  # nothing listens: nothing to drain
             except (httpx.HTTPError, TimeoutError):
                 text = ""
-            if requests_processing(text) == 0:
+            if requests_in_flight(text) == 0:
                 return
             await asyncio.sleep(0.2)
 

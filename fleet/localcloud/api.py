@@ -53,9 +53,11 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     @web.middleware
     async def vast_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        api = path.startswith("/api/") or path.startswith("/admin/")
+        # the hub's API (/api/models/, Hugging Face's, another host on the real internet) is not vast.ai's
+        vast = path.startswith("/api/") and not path.startswith("/api/models/")
+        api = vast or path.startswith("/admin/")
         try:
-            if path.startswith("/api/"):
+            if vast:
                 if cloud.dice.fire(cloud.faults.rate_limit, path):
                     return web.Response(
                         status=429, text="API requests too frequent endpoint threshold=4.5", content_type="text/plain"
@@ -76,7 +78,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                     return response
             if api and not path.startswith(PUBLIC_PATHS):
                 _check_auth(request, cloud.api_key, cloud.faults.scoped_keys)
-            late = path.startswith("/api/") and cloud.dice.fire(cloud.faults.slow, path)
+            late = vast and cloud.dice.fire(cloud.faults.slow, path)
             response = await handler(request)
             if late and cloud.faults.slow is not None:
                 await asyncio.sleep(cloud.faults.slow.delay_s)

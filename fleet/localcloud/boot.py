@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from fleet.localcloud import billing, network, procs
+from fleet.localcloud import billing, network, procs, toolchain
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import Faults
 from fleet.localcloud.hosts import HostError, LocalHost
@@ -66,6 +66,8 @@ class Booting:
                 ssh_port=inst.internal_ssh_port,
                 llama_server=self.settings.llama_server,
                 frozen_server=inst.machine_id in self.faults.freeze_server,
+                engine=toolchain.image_engine(inst.image),
+                vllm_python=self.settings.vllm_python,
             )
         return self._hosts[inst.id]
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleet.localcloud import billing, catalog, network, query, rows
+from fleet.localcloud import billing, catalog, network, query, rows, toolchain
 from fleet.localcloud.apierror import NO_SUCCESS, ApiError
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
@@ -110,6 +110,12 @@ class Cloud(Power, SshKeys):
         return next(o for o in self.catalogue() if int(o["id"]) == offer_id)
 
     # ---- instances ----------------------------------------------------------------------
+    def _missing_engine(self, image: str) -> str | None:
+        """This machine's own limit, not vast.ai's: a vLLM image needs scripts/setup-vllm's vLLM to run."""
+        if toolchain.image_engine(image) == "vllm" and self.settings.vllm_python is None:
+            return f"the local cloud cannot run {image[:80]}: vLLM is not installed here (run scripts/setup-vllm)"
+        return None
+
     def create(self, offer_id: int, body: dict[str, Any]) -> int:
         asked = parse_create(offer_id, body)
         self.refuse_without_credit(offer_id)
@@ -163,7 +169,8 @@ class Cloud(Power, SshKeys):
             authorized_keys=[k["public_key"] for k in self.state.ssh_keys if not k.get("deleted_at")],
             pull_error=pull_error(
                 asked.image, asked.image_login, self.faults.missing_images, self.faults.private_images
-            ),
+            )
+            or self._missing_engine(asked.image),
         )
         self.state.instances[instance_id] = inst
         # the disk bills from create; the GPU only once it runs (vast.ai: "not charged during loading")

@@ -21,6 +21,7 @@ from fleet.localcloud import procs, toolchain
 from fleet.localcloud.toolchain import REPO_ROOT
 
 HOST_SCRIPTS = REPO_ROOT / "images" / "llama-server" / "host"
+VLLM_HOST_SCRIPTS = REPO_ROOT / "images" / "vllm" / "host"  # over the shared ones, as images/vllm/Dockerfile
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -49,6 +50,8 @@ class LocalHost:
     ssh_port: int  # sshd's port on the private address (the container's port 22)
     llama_server: Path | None
     frozen_server: bool = False  # fault: the host's llama-server stops itself before it even starts
+    engine: str = "llama-server"  # what its image serves (toolchain.image_engine)
+    vllm_python: Path | None = None  # the vLLM image's python3: scripts/setup-vllm's environment
     roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
 
     @property
@@ -73,7 +76,7 @@ class LocalHost:
         FLEET_LISTEN_HOST is the host's own address: what 0.0.0.0 is inside a container's network
         namespace (the image's scripts default to 0.0.0.0). FLEET_HOST_KEY_DIR and FLEET_SSHD_PID_FILE are
         where this host's sshd keeps what a container's keeps in /etc/ssh and /run/sshd.pid."""
-        return {
+        env = {
             "PATH": f"{self.bin_dir}:{BASE_PATH}",
             "HOME": str(self.root),
             "FLEET_LISTEN_HOST": self.private_ip,
@@ -82,6 +85,17 @@ class LocalHost:
             "TMUX_TMPDIR": str(self.directory / "tmux"),
             procs.MARKER: self.token,
         }
+        if self.engine == "vllm":
+            # the CPU build's image: a KV cache of 1 GiB (unset, it takes most of the machine's memory), and
+            # its caches and temporary files inside the host
+            cache = self.root / ".cache"
+            env |= {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+                "TMPDIR": str(self.directory / "tmp"),
+            }
+        return env
 
     def prepare(self) -> None:
         """Lay out the host directory: PATH, the SSH session's environment, the sshd config."""
@@ -89,9 +103,18 @@ class LocalHost:
             raise HostError(f"{toolchain.sshd_path()} not found: install Debian's openssh-server")
         for d in (self.root, self.root / ".ssh", self.etc, self.log_dir, self.bin_dir, self.directory / "tmux"):
             d.mkdir(parents=True, exist_ok=True)
+        (self.directory / "tmp").mkdir(exist_ok=True)
         os.chmod(self.directory, 0o700)
         for script in HOST_SCRIPTS.iterdir():
             _link(script, self.bin_dir / script.name)
+        if self.engine == "vllm":
+            for script in VLLM_HOST_SCRIPTS.iterdir():
+                _link(script, self.bin_dir / script.name)
+            if self.vllm_python is not None:
+                wrapper = self.bin_dir / "python3"
+                wrapper.unlink(missing_ok=True)
+                _write_private(wrapper, f'#!/bin/sh\nexec {shlex.quote(str(self.vllm_python))} "$@"\n')
+                os.chmod(wrapper, 0o700)
         # nvidia-smi: on a GPU machine the container runtime mounts the driver's tools into every container.
         # ssh-keygen and openssl: the image ships them (fleet-host-key and fleet-tls call them); a machine that
         # keeps them off the system's PATH (the GPU bench carries its own) still gives them to its hosts.
@@ -115,7 +138,7 @@ class LocalHost:
             wrapper.unlink(missing_ok=True)
             _write_private(wrapper, f'#!/bin/sh\nkill -STOP $$\nexec {shlex.quote(str(self.llama_server))} "$@"\n')
             os.chmod(wrapper, 0o700)
-        elif self.llama_server:
+        elif self.llama_server and self.engine == "llama-server":
             _link(self.llama_server, self.bin_dir / "llama-server")
 
         # An SSH session gets the image's environment only: the create call's env is not in it

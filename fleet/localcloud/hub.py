@@ -1,7 +1,11 @@
 """A model hub that serves files the way Hugging Face does.
 
-`/{owner}/{repo}/resolve/{rev}/{file}` answers 302 to a signed, expiring CDN URL with `X-Linked-Etag`
-(the sha256, quoted) and `X-Linked-Size`; a gated repo answers 401 to a request without its token. The
+`/{owner}/{repo}/resolve/{rev}/{file}` answers a file stored in LFS (weights) with a 302 to a signed,
+expiring CDN URL, `X-Linked-Etag` (the sha256, quoted) and `X-Linked-Size`; a small file kept in git itself
+(config.json, the tokenizer) in place, with its git blob id as ETag and no sha256 at all. `/api/models/
+{owner}/{repo}/revision/{rev}` lists a repository's files (with `blobs=true`: each one's size, blob id and,
+for LFS, sha256). A revision is `main` or the repository's commit; a gated repo answers 401 to a request
+without its token. The
 CDN serves bytes with HTTP ranges only to a URL whose signature holds and has not expired (checked when a
 request starts, as S3 and CloudFront do), capped per connection so that multi-connection pulls matter,
 and can reset a connection mid-file on demand.
@@ -20,7 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import replicas, tinymodels
+from fleet.localcloud import replicas, tinyhf, tinymodels
 from fleet.localcloud.faults import Faults
 
 TINY_REPO = "fleet-local/tiny-models"
@@ -36,6 +40,19 @@ class HubFile:
     path: Path
     size: int
     sha256: str | None = None  # computed on first need (header replicas are many GB of hole)
+    lfs: bool = True  # weights live in LFS; a small file in git, known by its blob id alone
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def blob_id(self) -> str:
+        """git's id of the file's blob: sha1 of "blob SIZE\\0" and the bytes (what the hub's API names it by)."""
+        digest = hashlib.sha1(f"blob {self.size}\0".encode())
+        with self.path.open("rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return digest.hexdigest()
 
     def digest(self) -> str:
         """The sha256, cached beside the file so that a large replica is hashed once per machine."""
@@ -84,6 +101,8 @@ class Hub:
         directory = self.root / TINY_REPO
         for path in tinymodels.ensure(directory).values():
             self.add(TINY_REPO, path).digest()
+        for name, path in tinyhf.ensure(self.root / tinyhf.REPO).items():
+            self.add(tinyhf.REPO, path, lfs=name.endswith(".safetensors")).digest()
 
     def publish_replicas(self, directory: Path) -> None:
         """The header replicas of the real models, under their Hugging Face repos."""
@@ -95,25 +114,32 @@ class Hub:
         for path in sorted(directory.glob("*.gguf")):
             self.add(repo, path).digest()
 
-    def add(self, repo: str, path: Path) -> HubFile:
-        entry = HubFile(repo, path, path.stat().st_size)
+    def add(self, repo: str, path: Path, lfs: bool = True) -> HubFile:
+        entry = HubFile(repo, path, path.stat().st_size, lfs=lfs)
         self._by_repo[(repo, path.name)] = entry
         return entry
 
     def lookup(self, repo: str, filename: str) -> HubFile | None:
         return self._by_repo.get((repo, filename))
 
+    def repo_files(self, repo: str) -> list[HubFile]:
+        return sorted((f for (r, _), f in self._by_repo.items() if r == repo), key=lambda f: f.name)
+
+    def commit(self, repo: str) -> str:
+        """The repository's commit: the same for the same files (a stand-in for git's, 40 hex digits)."""
+        names = "\n".join(f"{f.name} {f.size}" for f in self.repo_files(repo))
+        return hashlib.sha1(f"{repo}\n{names}".encode()).hexdigest()
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.route("*", "/cdn/{owner}/{repo}/{file}", self.serve),
             web.route("*", "/{owner}/{repo}/resolve/{rev}/{file:.+}", self.resolve),
+            web.get("/api/models/{owner}/{repo}/revision/{rev}", self.listing),
+            web.get("/api/models/{owner}/{repo}", self.listing),
         ]
 
-    async def resolve(self, request: web.Request) -> web.StreamResponse:
-        if request.method not in ("GET", "HEAD"):
-            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
-        self._count_token(request)
-        repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+    def _refusal(self, request: web.Request, repo: str) -> web.Response | None:
+        """401 for a gated repo asked without its token, 404 for a repo or revision it does not have."""
         gate = self._faults().gated_repos.get(repo)
         if gate is not None and request.headers.get("Authorization", "") != f"Bearer {gate}":
             return web.json_response(
@@ -121,11 +147,49 @@ class Hub:
                 status=401,
                 headers={"X-Error-Code": "GatedRepo"},
             )
+        if not self.repo_files(repo):
+            return web.json_response(
+                {"error": "Repository not found"}, status=404, headers={"X-Error-Code": "RepoNotFound"}
+            )
+        if request.match_info.get("rev", "main") not in ("main", self.commit(repo)):
+            return web.json_response(
+                {"error": f"Invalid rev id: {request.match_info['rev'][:80]}"},
+                status=404,
+                headers={"X-Error-Code": "RevisionNotFound"},
+            )
+        return None
+
+    async def listing(self, request: web.Request) -> web.StreamResponse:
+        self._count_token(request)
+        repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        refused = self._refusal(request, repo)
+        if refused is not None:
+            return refused
+        siblings: list[dict[str, object]] = []
+        for f in self.repo_files(repo):
+            sibling: dict[str, object] = {"rfilename": f.name}
+            if request.query.get("blobs") == "true":
+                sibling.update(size=f.size, blobId=await asyncio.to_thread(f.blob_id))
+                if f.lfs:
+                    sibling["lfs"] = {"sha256": await asyncio.to_thread(f.digest), "size": f.size, "pointerSize": 134}
+            siblings.append(sibling)
+        return web.json_response({"id": repo, "modelId": repo, "sha": self.commit(repo), "siblings": siblings})
+
+    async def resolve(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        self._count_token(request)
+        repo = f"{request.match_info['owner']}/{request.match_info['repo']}"
+        refused = self._refusal(request, repo)
+        if refused is not None:
+            return refused
         entry = self.lookup(repo, request.match_info["file"])
         if entry is None:
             return web.json_response(
                 {"error": "Entry not found"}, status=404, headers={"X-Error-Code": "EntryNotFound"}
             )
+        if not entry.lfs:
+            return await self._in_place(request, entry)
         sha256 = await asyncio.to_thread(entry.digest)
         ttl = self._faults().signed_url_ttl_s
         expires = int(time.time() + (SIGNED_URL_TTL_S if ttl is None else ttl))
@@ -139,9 +203,16 @@ class Hub:
                 "X-Linked-Etag": f'"{sha256}"',
                 "X-Linked-Size": str(entry.size),
                 "ETag": f'"{sha256}"',
-                "X-Repo-Commit": "0" * 40,
+                "X-Repo-Commit": self.commit(repo),
             },
         )
+
+    async def _in_place(self, request: web.Request, entry: HubFile) -> web.StreamResponse:
+        """A file kept in git: its bytes from the hub itself, known by its blob id (no sha256 is stated)."""
+        headers = {"ETag": f'"{await asyncio.to_thread(entry.blob_id)}"', "X-Repo-Commit": self.commit(entry.repo)}
+        if request.method == "HEAD":
+            return web.Response(status=200, headers={**headers, "Content-Length": str(entry.size)})
+        return web.Response(status=200, body=entry.path.read_bytes(), headers=headers)
 
     def _sign(self, path: str, expires: int, nonce: str) -> str:
         return hmac.new(self._signing_key, f"{path}\n{expires}\n{nonce}".encode(), hashlib.sha256).hexdigest()

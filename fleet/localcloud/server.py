@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         state_dir=args.state_dir,
         offers_dir=args.offers_dir,
         llama_server=toolchain.llama_server_path(),
+        vllm_python=toolchain.vllm_python_path(),
         provision_delay_s=args.provision_delay,
         loading_delay_s=args.loading_delay,
         hub_bytes_per_s=args.hub_bytes_per_s,

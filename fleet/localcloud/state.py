@@ -24,6 +24,7 @@ class CloudSettings:
     state_dir: Path
     offers_dir: Path
     llama_server: Path | None = None
+    vllm_python: Path | None = None  # scripts/setup-vllm's environment: what a vLLM image's hosts run
     provision_delay_s: float = 0.6  # null -> scheduling -> created, a third each
     loading_delay_s: float = 1.0
     hub_bytes_per_s: int = 4 * 1024 * 1024  # per connection, like a CDN edge

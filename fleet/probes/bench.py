@@ -76,18 +76,28 @@ def summarize(
 
 
 async def fit_call(
-    server: Server, call: Call, share_of_ctx: float = 0.4, slots_started: int | None = None
+    server: Server,
+    call: Call,
+    share_of_ctx: float = 0.4,
+    slots_started: int | None = None,
+    engine: str = "llama-server",
+    ctx_per_slot: int | None = None,
 ) -> tuple[Call, int]:
     """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots). The slots
     are what /props says, never more than `slots_started` (the -np fleet started the server with): a host
-    that claims more is not believed."""
+    that claims more is not believed. vLLM has no /props: its slots and context are what fleet started it
+    with (--max-num-seqs, --max-model-len)."""
     async with server.client(timeout=60) as client:
-        props = (await bounded(client, "GET", "/props", deadline_s=60)).raise_for_status().json()
-        slots = max(int(props.get("total_slots") or 1), 1)
-        if slots_started is not None:
-            slots = min(slots, slots_started)
-        n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
-        tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"content": call.system})
+        if engine == "vllm":
+            slots, n_ctx = max(slots_started or 1, 1), ctx_per_slot or 4096
+            tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"prompt": call.system})
+        else:
+            props = (await bounded(client, "GET", "/props", deadline_s=60)).raise_for_status().json()
+            slots = max(int(props.get("total_slots") or 1), 1)
+            if slots_started is not None:
+                slots = min(slots, slots_started)
+            n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
+            tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"content": call.system})
         tokens = len(tokenized.raise_for_status().json()["tokens"])
     budget = int(n_ctx * share_of_ctx)
     if tokens > budget:
@@ -172,12 +182,14 @@ async def run_bench(
     max_tokens: int = 32,
     search: Callable[[int], Callable[[dict[int, LevelResult]], int | None]] = sweep,
     slots_started: int | None = None,
+    engine: str = "llama-server",
+    ctx_per_slot: int | None = None,
 ) -> list[LevelResult]:
     """Measure levels of concurrent callers in the order `search(most)` picks them (given what was
     measured so far) until it says None; the results in order of callers. One caller is measured first:
     its decode rate is what the others' share is of. `slots_started`: the slots fleet started the server
     with, the most callers tried unless `max_callers` asks for more."""
-    call, slots = await fit_call(server, call, slots_started=slots_started)
+    call, slots = await fit_call(server, call, slots_started=slots_started, engine=engine, ctx_per_slot=ctx_per_slot)
     most = max_callers or slots
     choose = search(most)
     measured: dict[int, LevelResult] = {}

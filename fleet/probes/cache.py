@@ -26,6 +26,7 @@ from fleet.probes.call import Call
 from fleet.probes.renderings import CountTokens, Glue, Message, PrefixBreak, Render, check_renderings
 from fleet.probes.server import Server, bounded
 from fleet.probes.stream import Connection
+from fleet.probes.template import LocalRenderer
 
 REWRITE_REPLY = "Sorry, go on."
 READ_DEADLINE_S = 60  # a template render or a token count, whole
@@ -54,10 +55,14 @@ def judge_cache(
     allowance: int,
     glue: list[Glue] | tuple[Glue, ...] = (),
     accepted: list[str] | tuple[str, ...] = (),
+    block_tokens: int = 1,
 ) -> ProbeResult:
     """The verdict on measured warm turns, rendering checks and the rewritten turn. Breaks in `accepted`
-    shapes are reported, not failed; glue lets a warm turn re-process the previous reply and the glue."""
+    shapes are reported, not failed; glue lets a warm turn re-process the previous reply and the glue.
+    `block_tokens`: the cache keeps whole blocks of this many tokens (vLLM's --block-size), so up to one
+    block less of the prefix is found again, by design."""
     glue_tokens = max((g.tokens or 0 for g in glue), default=0) if glue else None
+    allowance += block_tokens - 1
     metrics: dict[str, Any] = {
         "prompt_n": [t.prompt_n for t in turns],
         "cache_n": [t.cache_n for t in turns],
@@ -66,6 +71,7 @@ def judge_cache(
         "accepted_breaks": [b.shape for b in breaks if b.shape in accepted],
         "glue": {"text": glue[0].text, "tokens": glue_tokens, "shapes": [g.shape for g in glue]} if glue else None,
         "rewrite": vars(rewrite) if rewrite else None,
+        "block_tokens": block_tokens,
     }
     problems = []
     for i, t in enumerate(turns, start=2):
@@ -114,9 +120,14 @@ def server_renderer(client: httpx.AsyncClient) -> Render:
     return render
 
 
-def server_token_count(client: httpx.AsyncClient) -> CountTokens:
+def server_token_count(client: httpx.AsyncClient, engine: str = "llama-server") -> CountTokens:
+    """The server's own tokenizer: llama-server's /tokenize takes `content`, vLLM's `prompt`."""
+
     async def count(text: str) -> int | None:
-        body = {"content": text, "add_special": False}
+        if engine == "vllm":
+            body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+        else:
+            body = {"content": text, "add_special": False}
         r = await bounded(client, "POST", "/tokenize", deadline_s=READ_DEADLINE_S, json=body)
         return len(r.json()["tokens"]) if r.status_code == 200 else None
 
@@ -131,10 +142,22 @@ async def run_cache(
     rewrite_reply_tokens: int,
     allowance: int,
     accepted: list[str] | tuple[str, ...] = (),
+    engine: str = "llama-server",
+    template_text: str | None = None,
+    block_tokens: int = 1,
 ) -> ProbeResult:
+    """The renderings check, then a conversation's warm turns and a rewritten one against their cache use.
+    vLLM renders no template for a client: its renderings are the template's text rendered here (what vLLM
+    renders too), counted by its tokenizer."""
     async with server.client(timeout=120) as client:
+        if engine == "vllm":
+            if template_text is None:
+                return ProbeResult("cache", False, "the model's repository has no chat template", {})
+            renderer: Render = LocalRenderer(template_text, {})
+        else:
+            renderer = server_renderer(client)
         renderings = await check_renderings(
-            server_renderer(client), server_token_count(client), call.system, call.user_turns[0], call.tools
+            renderer, server_token_count(client, engine), call.system, call.user_turns[0], call.tools
         )
     conn = Connection(server)
     try:
@@ -183,4 +206,4 @@ async def run_cache(
             rewrite = Rewrite(prefix, after.served.cache_n, after.served.prompt_n)
     finally:
         await conn.close()
-    return judge_cache(warm, renderings.breaks, rewrite, allowance, renderings.glue, accepted)
+    return judge_cache(warm, renderings.breaks, rewrite, allowance, renderings.glue, accepted, block_tokens)

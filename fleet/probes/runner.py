@@ -7,6 +7,7 @@ from pathlib import Path
 import asyncssh
 
 from fleet.core.config import Profile, Settings
+from fleet.engines import vllm
 from fleet.probes import ProbeResult
 from fleet.probes.cache import run_cache
 from fleet.probes.call import load_call
@@ -25,8 +26,10 @@ async def run_probes(
     settings: Settings,
     ssh: asyncssh.SSHClientConnection | None,
     plot_path: Path | None = None,
+    template_text: str | None = None,
 ) -> list[ProbeResult]:
-    """Run `names` in order; every result is returned, passed or not."""
+    """Run `names` in order; every result is returned, passed or not. `template_text`: a vLLM model's chat
+    template, which the cache probe renders here."""
     p, limits = profile.probes, settings.probes
     results = []
     for name in names:
@@ -43,6 +46,9 @@ async def run_probes(
                     p.rewrite_reply_tokens,
                     limits.prompt_allowance_tokens,
                     profile.accept_template_breaks,
+                    profile.engine,
+                    template_text,
+                    vllm.block_tokens(profile) if profile.engine == "vllm" else 1,
                 )
             )
         elif name == "keepalive":

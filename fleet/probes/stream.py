@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fleet.core.errors import FleetError
-from fleet.engines.llama_server import Timings
+from fleet.engines.replies import Timings
 from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
@@ -90,8 +90,8 @@ class ChatResult:
 
     @property
     def served(self) -> Timings:
-        """What the server's `timings` say of this reply (fleet/engines/llama_server.py)."""
-        return Timings.of(self.server_timings)
+        """What the server says of this reply: its `timings`, else its `usage` (fleet/engines/replies.py)."""
+        return Timings.of(self.server_timings, self.usage)
 
     @property
     def delivered_tok_s(self) -> float | None:
@@ -111,9 +111,11 @@ class ChatResult:
     def decode_tok_s(self) -> float | None:
         """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here. A
         host cannot flatter its decode much past what it delivered; the slack covers this client's own lag
-        on a busy machine."""
+        on a busy machine. A server that states no rate (vLLM) is measured by what arrived."""
         claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
-        if claimed is None or delivered is None:
+        if claimed is None:
+            return delivered
+        if delivered is None:
             return claimed
         return min(claimed, delivered * DECODE_SLACK)
 

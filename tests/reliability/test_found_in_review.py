@@ -15,7 +15,7 @@ from fleet.control import rotation
 from fleet.control.up import UpRequest
 from fleet.core.config import Traffic
 from fleet.core.models import HostState
-from fleet.engines.llama_server import requests_processing
+from fleet.engines.metrics import requests_in_flight
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import listed_instances, polite
 
@@ -162,7 +162,7 @@ async def test_drain_waits_for_the_call_in_flight_read_from_metrics(cloud, tmp_p
                     finished.append(asyncio.get_running_loop().time())
 
                 call = asyncio.create_task(long_call())
-                while requests_processing((await client.get("/metrics")).text) != 1:
+                while requests_in_flight((await client.get("/metrics")).text) != 1:
                     assert not call.done(), "the call ended before it was seen in flight"
                     await asyncio.sleep(0.02)
                 await rotation.drain(fleet, host)
