@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from sqlalchemy.exc import DBAPIError
+
 from fleet.core.apikeys import ensure_secret, host_api_key
 from fleet.core.config import ConfigError, Settings
 from fleet.core.keys import SshKey, ensure_key
@@ -91,9 +93,17 @@ class Leases:
         self.record.release(host, self.owner)
 
     async def _renew(self) -> None:
+        wait = self.lease_s / 3
         while True:
-            await asyncio.sleep(self.lease_s / 3)
-            self.record.renew(self.lease_s, self.owner)
+            await asyncio.sleep(wait)
+            try:
+                self.record.renew(self.lease_s, self.owner)
+                wait = self.lease_s / 3
+            except DBAPIError:
+                # the database stayed busy past its timeout (a daemon, a reconcile and several `fleet up` write
+                # at once): the lease has time left, so try again soon. A renewal task that died here let the
+                # leases run out mid-bring-up and a reconcile fail the hosts as interrupted.
+                wait = min(1.0, self.lease_s / 3)
 
     def close(self) -> None:
         if self._renewal is not None:
