@@ -32,6 +32,7 @@ from fleet.economics.selection import Expectation
 from fleet.host.measure import BenchReport
 from fleet.market import Offer
 from fleet.plan.memory import Plan
+from fleet.plan.vllm import VllmPlan
 from fleet.probes import ProbeResult
 from fleet.probes.renderings import Renderings
 
@@ -41,6 +42,11 @@ class Fleet(Context):
         self, model: str, ctx_per_slot: int | None = None, slots: int | None = None, swa_full: bool | None = None
     ) -> Plan:
         return await fleet.host.profile.plan(self, model, ctx_per_slot, slots, swa_full)
+
+    async def vllm_plan(self, model: str, ctx_per_slot: int | None = None, slots: int | None = None) -> VllmPlan:
+        profile = self.settings.profile(model)
+        update = {"ctx_per_slot": ctx_per_slot or profile.ctx_per_slot, "slots": slots or profile.slots}
+        return await fleet.host.profile.vllm_plan(self, profile.model_copy(update=update))
 
     async def check_template(self, model: Profile) -> Renderings | None:
         return await fleet.host.profile.check_template(self, model)

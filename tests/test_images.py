@@ -17,10 +17,13 @@ def test_host_scripts_pass_shellcheck():
     assert shellcheck, "shellcheck is missing: scripts/setup installs it"
     scripts = [
         *(IMAGE / "host").iterdir(),
+        *(ROOT / "images" / "vllm" / "host").iterdir(),
         IMAGE / "apply-patches",
         IMAGE / "patchset-id",
         ROOT / "scripts" / "build-llama-server",
         ROOT / "scripts" / "setup",
+        ROOT / "scripts" / "setup-vllm",
+        ROOT / "scripts" / "test",
         ROOT / "scripts" / "lock",
         ROOT / ".ci" / "run",
     ]

@@ -2,15 +2,20 @@
 config.json), and its terms computed here by hand."""
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from fleet.localcloud import replicas_hf
 from fleet.plan import gguf as ggufhead
 from fleet.plan import hfconfig, safetensors
 from fleet.plan.vllm import VllmPlan, VllmSettings
+from tests.fleetkit import write_config
 from tests.helpers import http_server
 
 GIB = 1 << 30
@@ -235,3 +240,29 @@ async def test_the_hubs_token_never_follows_a_redirect_to_another_host(tmp_path)
     assert st.data_bytes == 8192 and gg.tensors
     assert seen["hub"] and set(seen["hub"]) == {"Bearer hf_not_for_the_cdn"}
     assert len(seen["cdn"]) >= 3 and set(seen["cdn"]) == {""}  # both readers' ranges reached the CDN, bare
+
+
+def fleet_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLEET_CONFIG": str(write_config(tmp_path))}
+    return subprocess.run(
+        [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_fleet_plan_reads_the_nvfp4_checkpoints_headers_for_the_deployment_our_users_ran(local_cloud_env, tmp_path):
+    done = fleet_cli(tmp_path, "plan", "--model", "voice-agent", "--gpu-ram", "96", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    weights = sum(replicas_hf.nbytes(dtype, shape) for _, dtype, shape in replicas_hf.tensors())
+    assert plan["weights_bytes"] == weights  # every shard's header, read by ranges
+    # five full layers of 2 KV heads of 512 (K serving as V is not assumed: planned as K and V), twenty-five
+    # windowed ones of 8 heads of 256, bf16
+    assert plan["kv_bytes_per_token_full"] == 5 * 2 * 2 * 512 * 2
+    assert plan["kv_bytes_per_token_windowed"] == 25 * 2 * 8 * 256 * 2 and plan["window"] == 1024
+    # the sweep's 48 callers at 8k each: every one holds its whole length on the 96 GB card
+    assert plan["settings"]["max_num_seqs"] == 48 and plan["tokens_per_sequence"] == 8192
+    assert plan["full_length_sequences"] >= 48 and plan["problem"] is None
+    small = fleet_cli(tmp_path, "plan", "--model", "voice-agent", "--gpu-ram", "16", "--json")
+    assert small.returncode == 0 and "exceed --gpu-memory-utilization" in json.loads(small.stdout)["problem"]
+    refused = fleet_cli(tmp_path, "plan", "--model", "voice-agent", "--swa-full", "--json")
+    assert refused.returncode == 2 and json.loads(refused.stdout)["error"].startswith("--swa-full is llama-server's")

@@ -54,7 +54,7 @@ async def test_the_session_report_renders_in_a_browser_with_its_plots_and_no_key
     assert f"thermal {'pass' if thermal.passed else 'FAIL'}" in row["probes"] and "smoke pass" in row["probes"]
 
     page, summary = (out / "report.html").read_text(), (out / "report.md").read_text()
-    assert f"| {host.name} | 1x {host.gpu_name} |" in summary
+    assert f"| {host.name} | llama-server | 1x {host.gpu_name} |" in summary
     for secret in (host_key, cloud.info.api_key()):
         assert secret not in page and secret not in summary
 

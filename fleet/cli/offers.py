@@ -95,14 +95,30 @@ def plan_cmd(
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """GPU memory a model needs, from its GGUF header read over HTTP ranges (no download)."""
+    """GPU memory a model needs, from its GGUF header read over HTTP ranges (no download); for a vLLM profile,
+    what its card leaves each sequence, from the safetensors headers and config.json."""
     settings = load_settings(config_path)
     if (ctx is not None and ctx < 1) or (slots is not None and slots < 1) or (gpu_ram is not None and gpu_ram <= 0):
         fail("--ctx, --slots and --gpu-ram must be positive", 2)
     try:
-        settings.profile(model)
+        profile = settings.profile(model)
     except config.ConfigError as e:
         fail(str(e), 2)
+    if profile.engine == "vllm":
+        if swa_full is not None:
+            fail("--swa-full is llama-server's: vLLM keeps a window's tokens alone", 2)
+
+        async def go_vllm() -> Any:
+            async with open_fleet(settings, reporter(json_output)) as fleet:
+                return await fleet.vllm_plan(model, ctx, slots)
+
+        vllm = run_async(go_vllm)
+        card = int((gpu_ram or profile.gpu_ram_gb) * GIB)
+        if json_output:
+            render.print_json(vllm.as_dict(card))
+        else:
+            render_plan.vllm_plan(model, vllm, card)
+        return
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:

@@ -6,6 +6,7 @@ from rich.table import Table
 
 from fleet.cli.render import line, out
 from fleet.plan.memory import GIB, Plan
+from fleet.plan.vllm import VllmPlan
 
 
 def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
@@ -58,3 +59,35 @@ def plan(model: str, p: Plan, max_slots: dict[str, int]) -> None:
         line(f"read {p.bytes_fetched:,} bytes of {p.file_bytes:,} ({share:.3f}%)")
     else:
         line(f"read no bytes of {p.file_bytes:,}: the headers were kept from an earlier read (by each file's sha256)")
+
+
+def vllm_plan(model: str, p: VllmPlan, card_bytes: int) -> None:
+    s = p.settings
+    line(
+        (model, "bold"),
+        f": vLLM, --max-num-seqs {s.max_num_seqs}, --max-model-len {s.max_model_len}, "
+        f"--gpu-memory-utilization {s.gpu_memory_utilization:g}, on a card of {card_bytes / GIB:.1f} GiB",
+    )
+    t = Table(show_header=False)
+    t.add_column(no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
+    layout = p.layout
+    rows = [
+        ("weights (the safetensors headers)", f"{p.weights_bytes / GIB:10.2f} GiB"),
+        ("runtime (activations, graphs, CUDA context)", f"{p.runtime_bytes / GIB:10.2f} GiB"),
+        ("KV cache: what the card leaves", f"{p.cache_bytes(card_bytes) / GIB:10.2f} GiB"),
+        (f"KV per token: {layout.full_layers} full layers", f"{p.layout.full_bytes_per_token(s.kv_bytes):,} B"),
+        (
+            f"KV per token: {layout.windowed_layers} windowed layers (window {layout.window})",
+            f"{p.layout.windowed_bytes_per_token(s.kv_bytes):,} B",
+        ),
+        (f"one sequence of {s.max_model_len} tokens", f"{p.sequence_bytes / GIB:10.3f} GiB"),
+        ("sequences at full length at once", f"{p.full_length_sequences(card_bytes):,}"),
+        (f"tokens each of {s.max_num_seqs} active sequences holds", f"{p.tokens_per_sequence(card_bytes):,}"),
+        (f"smallest card for {s.max_num_seqs} full-length sequences", f"{p.card_bytes_needed() / GIB:10.2f} GiB"),
+    ]
+    for label, value in rows:
+        t.add_row(label, value)
+    out.print(t)
+    problem = p.problem(card_bytes)
+    line((problem, "red") if problem else "vLLM starts with these settings on this card")

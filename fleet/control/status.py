@@ -67,4 +67,5 @@ def machines(ctx: Context) -> list[MachineRecord]:
 def session(ctx: Context, since: datetime) -> Session:
     """What the report shows: the hosts created since `since` and what fleet measured on them."""
     hosts, probe_runs, bench_runs, _ = ctx.record.machine_rows()
-    return gather(hosts, probe_runs, bench_runs, since, utcnow())
+    engines = {name: profile.engine for name, profile in ctx.settings.models.items()}
+    return gather(hosts, probe_runs, bench_runs, since, utcnow(), engines)

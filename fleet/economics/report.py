@@ -2,7 +2,8 @@
 read, and a markdown summary beside it.
 
 Plots (PNG, inlined as data URIs, so the page is one file that opens anywhere): first-content p50/p95
-and per-caller decode against concurrent callers, one line per host (each host's latest bench); the
+and per-caller decode against concurrent callers, one line per host (each host's latest bench), each named
+with its engine, so llama-server and vLLM hosts sit side by side; the
 thermal series (decode rate over the probe, each host's latest thermal run); the session's cost over
 time. The summary, per host: GPU, machine, region, price, probes, capacity, cost per voice-minute and
 what the session cost. Nothing secret goes in: no API key, no endpoint key, only what `fleet status`
@@ -30,6 +31,7 @@ from fleet.economics.bill import Bill, bill
 @dataclass
 class HostReport:
     host: Host
+    engine: str = "llama-server"  # what served it (its profile's engine)
     probes: dict[str, bool] = field(default_factory=dict)  # each probe's latest verdict
     bench: BenchRun | None = None
     thermal_rates: list[dict[str, float]] = field(default_factory=list)
@@ -58,11 +60,17 @@ def parse_since(text: str, now: datetime) -> datetime:
 
 
 def gather(
-    hosts: list[Host], probe_runs: list[ProbeRun], bench_runs: list[BenchRun], since: datetime, now: datetime
+    hosts: list[Host],
+    probe_runs: list[ProbeRun],
+    bench_runs: list[BenchRun],
+    since: datetime,
+    now: datetime,
+    engines: dict[str, str] | None = None,
 ) -> Session:
-    """The hosts created since `since`, with their latest probe verdicts, bench and thermal series."""
+    """The hosts created since `since`, with their latest probe verdicts, bench and thermal series.
+    `engines`: each profile's engine (a host whose profile is gone from fleet.toml reads llama-server)."""
     chosen = sorted((h for h in hosts if as_utc(h.created_at) >= since), key=lambda h: h.created_at)
-    by_id = {h.id: HostReport(h) for h in chosen}
+    by_id = {h.id: HostReport(h, (engines or {}).get(h.model, "llama-server")) for h in chosen}
     for run in sorted(probe_runs, key=lambda r: r.at):
         if (report := by_id.get(run.host_id)) is None:
             continue
@@ -89,6 +97,7 @@ def rows(session: Session) -> list[dict[str, Any]]:
         out.append(
             {
                 "host": h.name,
+                "engine": r.engine,
                 "gpu": f"{h.num_gpus}x {h.gpu_name}",
                 "machine": h.machine_id,
                 "region": f"{h.region} ({h.geolocation})",
@@ -109,12 +118,13 @@ def _money(value: float | None, digits: int = 4) -> str:
 
 def markdown(session: Session) -> str:
     table = [
-        "| host | GPU | machine | region | $/h | state | probes | callers | $/voice-min | session cost |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| host | engine | GPU | machine | region | $/h | state | probes | callers | $/voice-min | session cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(session):
         table.append(
-            f"| {row['host']} | {row['gpu']} | {row['machine']} | {row['region']} | {row['usd_per_hour']:.4f} | "
+            f"| {row['host']} | {row['engine']} | {row['gpu']} | {row['machine']} | {row['region']} | "
+            f"{row['usd_per_hour']:.4f} | "
             f"{row['state']} | {row['probes']} | {row['capacity'] or '-'} | "
             f"{_money(row['usd_per_voice_minute'], 5)} | {_money(row['session_usd'])} |"
         )
@@ -164,18 +174,17 @@ def plots(session: Session) -> dict[str, str]:
         callers = [lv["callers"] for lv in levels]
         if not callers:
             continue
-        (line,) = first.plot(
-            callers, [lv["first_content_p95_ms"] for lv in levels], marker="o", label=f"{r.host.name} p95"
-        )
+        name = f"{r.host.name} ({r.engine})"
+        (line,) = first.plot(callers, [lv["first_content_p95_ms"] for lv in levels], marker="o", label=f"{name} p95")
         first.plot(
             callers,
             [lv["first_content_p50_ms"] for lv in levels],
             marker=".",
             linestyle="--",
             color=line.get_color(),
-            label=f"{r.host.name} p50",
+            label=f"{name} p50",
         )
-        decode.plot(callers, [lv["decode_per_caller_tok_s"] for lv in levels], marker="o", label=r.host.name)
+        decode.plot(callers, [lv["decode_per_caller_tok_s"] for lv in levels], marker="o", label=name)
     first.set(xlabel="concurrent callers", ylabel="first content (ms)", title="first content")
     decode.set(xlabel="concurrent callers", ylabel="decode per caller (tok/s)", title="decode per caller")
     _dress(first, decode)
@@ -218,11 +227,13 @@ def plots(session: Session) -> dict[str, str]:
 
 def html(session: Session, images: dict[str, str]) -> str:
     e = html_escape.escape
-    head = ["host", "GPU", "machine", "region", "$/h", "state", "probes", "callers", "$/voice-min", "session cost"]
+    head = ["host", "engine", "GPU", "machine", "region", "$/h", "state", "probes", "callers", "$/voice-min"]
+    head.append("session cost")
     body = []
     for row in rows(session):
         cells = [
             row["host"],
+            row["engine"],
             row["gpu"],
             str(row["machine"]),
             row["region"],

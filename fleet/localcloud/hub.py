@@ -24,7 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import replicas, tinyhf, tinymodels
+from fleet.localcloud import replicas, replicas_hf, tinyhf, tinymodels
 from fleet.localcloud.faults import Faults
 
 TINY_REPO = "fleet-local/tiny-models"
@@ -46,8 +46,16 @@ class HubFile:
     def name(self) -> str:
         return self.path.name
 
+    def pointer(self) -> bytes:
+        """What git holds of a file in LFS: its pointer, naming the content's sha256 and size."""
+        return f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.digest()}\nsize {self.size}\n".encode()
+
     def blob_id(self) -> str:
-        """git's id of the file's blob: sha1 of "blob SIZE\\0" and the bytes (what the hub's API names it by)."""
+        """git's id of the file's blob (what the hub's API names it by): sha1 of "blob SIZE\\0" and the bytes,
+        for a file in LFS the bytes of its pointer."""
+        if self.lfs:
+            pointer = self.pointer()
+            return hashlib.sha1(f"blob {len(pointer)}\0".encode() + pointer).hexdigest()
         digest = hashlib.sha1(f"blob {self.size}\0".encode())
         with self.path.open("rb") as f:
             while block := f.read(1 << 20):
@@ -103,6 +111,11 @@ class Hub:
             self.add(TINY_REPO, path).digest()
         for name, path in tinyhf.ensure(self.root / tinyhf.REPO).items():
             self.add(tinyhf.REPO, path, lfs=name.endswith(".safetensors")).digest()
+
+    def publish_hf_replica(self, directory: Path) -> None:
+        """The header replica of the NVFP4 checkpoint vLLM users serve, as a repository (replicas_hf.py)."""
+        for name, path in replicas_hf.ensure(directory).items():
+            self.add(replicas_hf.REPO, path, lfs=name.endswith(".safetensors"))
 
     def publish_replicas(self, directory: Path) -> None:
         """The header replicas of the real models, under their Hugging Face repos."""
@@ -171,7 +184,8 @@ class Hub:
             if request.query.get("blobs") == "true":
                 sibling.update(size=f.size, blobId=await asyncio.to_thread(f.blob_id))
                 if f.lfs:
-                    sibling["lfs"] = {"sha256": await asyncio.to_thread(f.digest), "size": f.size, "pointerSize": 134}
+                    pointer = await asyncio.to_thread(f.pointer)
+                    sibling["lfs"] = {"sha256": f.digest(), "size": f.size, "pointerSize": len(pointer)}
             siblings.append(sibling)
         return web.json_response({"id": repo, "modelId": repo, "sha": self.commit(repo), "siblings": siblings})
 

@@ -35,6 +35,7 @@ async def serve(settings: CloudSettings, host: str, port: int, publish: list[tup
     )
     await asyncio.to_thread(hub.publish_tiny_models)
     await asyncio.to_thread(hub.publish_replicas, toolchain.cache_dir() / "replicas" / f"v{replicas.REPLICA_FORMAT}")
+    await asyncio.to_thread(hub.publish_hf_replica, toolchain.cache_dir() / "replicas" / "hf-nvfp4-v1")
     for repo, directory in publish:
         await asyncio.to_thread(hub.publish_directory, repo, directory)
     runner = web.AppRunner(build_app(cloud, hub), access_log=None, handler_cancellation=True)

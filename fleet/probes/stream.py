@@ -71,6 +71,7 @@ class Timing:
     total_ms: float
     reused: bool
     tls_ms: float | None = None  # the TLS handshake after the connect; None when reused or plain HTTP
+    first_event_ms: float | None = None  # the first streamed event: its first token decoded, content or not
 
 
 @dataclass
@@ -96,13 +97,14 @@ class ChatResult:
     @property
     def delivered_tok_s(self) -> float | None:
         """What arrived here: the tokens the server counts (no more than were asked for) after the first, over
-        this clock's time from the first content to the end; None when that says nothing."""
+        this clock's time from the first event (the first token, whether or not it was text yet: vLLM holds
+        back bytes that do not decode yet) to the end; None when that says nothing."""
         tokens = self.usage.get("completion_tokens") or self.served.predicted_n
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             tokens = self.served.predicted_n
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
-        first = self.timing.first_content_ms
+        first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
             return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
@@ -225,6 +227,8 @@ class Connection:
             for data in parser.feed(chunk):
                 if data == "[DONE]":
                     continue
+                if result.timing.first_event_ms is None:
+                    result.timing.first_event_ms = (time.perf_counter() - started) * 1000
                 result.events += 1
                 if first_content is None and self._apply(result, data):
                     first_content = (time.perf_counter() - started) * 1000

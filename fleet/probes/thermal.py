@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
+import httpx
 
 from fleet.core.errors import FleetError
+from fleet.engines.metrics import requests_in_flight
 from fleet.probes import ProbeResult
 from fleet.probes.gpu import QUERY, GpuParseError, GpuSample, parse_query_csv
-from fleet.probes.server import Server
+from fleet.probes.server import Server, bounded
 from fleet.probes.stream import Connection, StreamError
 
+LOAD_WAIT_S = 30.0  # how long the load may take to be decoding before the first one-caller rate
 LOAD_PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
@@ -168,6 +171,27 @@ class _Load:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def load_running(server: Server, callers: int, limit_s: float) -> None:
+    """Wait, at most `limit_s`, until the server says the load's requests are in flight (its /metrics): a
+    first one-caller rate taken before the load decodes beside it is no cold rate of a loaded card, and every
+    later one would read as a loss."""
+    if callers == 0:
+        return
+    deadline = time.monotonic() + limit_s
+    async with server.client(timeout=10) as client:
+        while time.monotonic() < deadline:
+            try:
+                reply = await bounded(client, "GET", "/metrics", deadline_s=10)
+            except (OSError, TimeoutError, httpx.HTTPError):
+                return
+            if reply.status_code != 200:
+                return  # a server without /metrics: the load had this long to start
+            running = requests_in_flight(reply.body.decode("utf-8", errors="replace"))
+            if running is None or running >= callers:
+                return
+            await asyncio.sleep(0.1)
+
+
 async def one_caller_rate(server: Server, tokens: int) -> float:
     conn = Connection(server)
     try:
@@ -206,6 +230,7 @@ async def run_thermal(
     await take_card()
     load = _Load(server, max(slots - 1, 0), tokens)
     try:
+        await load_running(server, load.count.callers, LOAD_WAIT_S)
         while True:
             rates.append(RatePoint(time.monotonic() - started, await one_caller_rate(server, tokens)))
             await take_card()
