@@ -163,7 +163,7 @@ def test_a_vllm_profile_needs_the_vllm_image_and_a_repository(tmp_path):
     flags = '"--block-size", "32"]'
     assert flags in text
     (tmp_path / "flag.toml").write_text(text.replace(flags, '"--block-size", "32", "--max-model-len", "9"]'))
-    with pytest.raises(config.ConfigError, match="--max-model-len is set by fleet"):
+    with pytest.raises(config.ConfigError, match="--max-model-len is not the profile's to give"):
         config.load(tmp_path / "flag.toml")
 
 

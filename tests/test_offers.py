@@ -146,3 +146,17 @@ def test_datacenter_only_asks_the_marketplace_for_datacenter_machines_and_checks
     result = funnel([offer(1, datacenter=True), offer(2, datacenter=False)], strict, PROFILE)
     assert [o.id for o in result.passed] == [1]
     assert ("datacenter (hosting_type 1)", 1) in result.removed
+
+
+def test_an_engine_that_serves_from_one_card_is_rented_by_one_cards_memory():
+    two_halves = offer(1, gpu_ram_mb=49152, num_gpus=2)  # 96 GB between two cards
+    one_card = offer(2, gpu_ram_mb=98304)
+    needs = Criteria(**{**CRITERIA.__dict__, "min_gpu_ram_gb": 94})
+    assert [o.id for o in funnel([two_halves, one_card], needs, PROFILE).passed] == [1, 2]  # llama-server splits
+    vllm = Criteria(**{**needs.__dict__, "one_card": True})
+    result = funnel([two_halves, one_card], vllm, PROFILE)
+    assert [o.id for o in result.passed] == [2] and (
+        "GPU memory >= 94.00 GiB (the profile's card; the plan needs 0.00 GiB)",
+        1,
+    ) in result.removed
+    assert query_for(vllm, PROFILE).min_gpu_ram_mb == 94 * 1024 and query_for(needs, PROFILE).min_gpu_ram_mb == 12032

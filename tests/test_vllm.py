@@ -75,7 +75,7 @@ async def test_up_serves_the_repository_it_pulled_and_checked_over_tls_with_the_
     host = fleet.record.hosts(states=(HostState.READY,))[0]
     assert host.model == MODEL and host.api_url and host.api_url.startswith("https://")
     # the repository's files on the host are the hub's, byte for byte, the weights among them
-    pulled = host_dir(cloud, fleet) / "root" / "models" / tinyhf.REPO.replace("/", "--")
+    [pulled] = (host_dir(cloud, fleet) / "root" / "models").glob(tinyhf.REPO.replace("/", "--") + "@*")
     expected = tinyhf.files()
     assert sorted(p.name for p in pulled.iterdir()) == sorted(expected)
     for name, data in expected.items():
@@ -94,6 +94,13 @@ async def test_up_serves_the_repository_it_pulled_and_checked_over_tls_with_the_
         answer = await c.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200 and answer.json()["model"] == MODEL
         metrics = (await c.get("/metrics", headers={"Authorization": f"Bearer {key}"})).text
+        # vLLM's own check covers /v1 alone; fleet's guard asks the key on every other path but /health
+        assert (await c.get("/health")).status_code == 200
+        for path, sent in (("/tokenize", {"prompt": "hi"}), ("/invocations", body), ("/metrics", None)):
+            refused = await c.request("GET" if sent is None else "POST", path, json=sent)
+            assert refused.status_code == 401, (path, refused.status_code)
+        tokenized = await c.post("/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {key}"})
+        assert tokenized.status_code == 200 and tokenized.json()["count"] == 2
     assert "vllm:num_requests_running" in metrics and requests_in_flight(metrics) == 0
 
 
@@ -186,6 +193,24 @@ async def test_the_report_sets_both_engines_side_by_side(fleet):
         assert len(images["What callers feel, by concurrent callers"]) > 10_000
     finally:
         await fleet.destroy([llama.name])
+
+
+async def test_a_standby_vllm_host_keeps_its_repository_and_serves_again(vllm_host, module_dir):
+    settings = settings_for(module_dir, timeouts={"load": 240, "probes": 240})
+    async with fleet_for(settings) as fleet:
+        [parked] = (await fleet.up(UpRequest(MODEL, "eu", standby=True))).ready
+        try:
+            assert parked.state == HostState.STANDBY
+            result = await fleet.up(UpRequest(MODEL, "eu"))
+            [host] = result.ready
+            [attempt] = result.attempts
+            # the same instance, started again: its repository checked on the disk it kept, not pulled again
+            assert (host.name, host.instance_id, attempt.resumed) == (parked.name, parked.instance_id, True)
+            assert host.state == HostState.READY and host.pulled_bytes == parked.pulled_bytes
+            [probe] = await fleet.probe(host.name, only=["cache"])
+            assert probe.passed, probe.diagnosis
+        finally:
+            await fleet.destroy([parked.name])
 
 
 def test_a_vllm_profiles_argv_carries_no_key_and_its_block_size():

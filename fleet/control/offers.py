@@ -39,6 +39,7 @@ def criteria(
         compute_caps=tuple(c for c in COMPUTE_CAPS if not profile.compute_caps or c in profile.compute_caps),
         contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
         pull_gb=need.pull_bytes / offer_rules.GB if need else 0.0,
+        one_card=profile.engine == "vllm",  # fleet starts vLLM without tensor parallelism: it uses one card
     )
 
 

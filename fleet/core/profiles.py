@@ -150,12 +150,18 @@ class Profile(Strict):
     def _vllm(self) -> Profile:
         if self.snapshot is None or self.files:
             raise ValueError("engine = 'vllm' serves a repository: give snapshot = { repo, revision }, not files")
-        for arg in self.args:
+        for i, arg in enumerate(self.args):
             if any(c in arg for c in "\0\n\r"):
                 raise ValueError(f"args: {arg!r} holds a NUL or a line break")
             flag = arg.split("=", 1)[0]
+            if flag.startswith("--"):
+                flag = "--" + flag[2:].replace("_", "-")  # vLLM reads --max_num_seqs as --max-num-seqs
             if flag in VLLM_SET_BY_FLEET:
-                raise ValueError(f"args: {flag} is set by fleet, not the profile ({VLLM_SET_BY_FLEET[flag]})")
+                raise ValueError(f"args: {flag} is not the profile's to give ({VLLM_SET_BY_FLEET[flag]})")
+            if flag in VLLM_NUMBERS:
+                value = arg.partition("=")[2] if "=" in arg else (self.args[i + 1 : i + 2] or [""])[0]
+                if not VLLM_NUMBERS[flag](value):
+                    raise ValueError(f"args: {flag} {value[:20]!r}: {VLLM_NUMBER_RULES[flag]}")
         return self
 
 
@@ -172,4 +178,25 @@ VLLM_SET_BY_FLEET = {
     "--ssl-keyfile": "the host's TLS key",
     "--ssl-certfile": "the certificate fleet's CA signs",
     "--enable-prompt-tokens-details": "always on: a warm turn reports its cached tokens",
+    "--middleware": "fleet-serve's key check on every path",
+    "--config": "a file of flags would pass the rest of this list by",
+    "--uds": "the service port",
+    "--root-path": "the paths the gateway and the probes use",
+    "--tensor-parallel-size": "fleet serves a vLLM profile from one card, and rents by one card's memory",
+    "-tp": "fleet serves a vLLM profile from one card, and rents by one card's memory",
+}
+
+
+def _share(value: str) -> bool:
+    try:
+        return 0 < float(value) <= 1
+    except ValueError:
+        return False
+
+
+# vLLM's flags whose value fleet reads too (the planner, the cache probe): checked at load
+VLLM_NUMBERS = {"--gpu-memory-utilization": _share, "--block-size": lambda v: v.isdigit() and 0 < int(v) <= 4096}
+VLLM_NUMBER_RULES = {
+    "--gpu-memory-utilization": "a share of the card above 0, at most 1",
+    "--block-size": "tokens, 1-4096",
 }

@@ -31,6 +31,7 @@ class Criteria:
     contract_ends_after: float = 0.0  # epoch s: an offer's contract must outlast this
     pull_gb: float = 0.0  # the profile's files: every bring-up downloads them, at the offer's $/GB
     plan_gib: float = 0.0  # what the plan needs on the card (min_gpu_ram_gb is the larger of it and the card's)
+    one_card: bool = False  # the engine serves from one card (vLLM without tensor parallelism): no sum over GPUs
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
     checks.append(
         (
             f"GPU memory >= {c.min_gpu_ram_gb:.2f} GiB ({why})",
-            lambda o: o.gpu_ram_mb * o.num_gpus / 1024 >= c.min_gpu_ram_gb,
+            lambda o: o.gpu_ram_mb * (1 if c.one_card else o.num_gpus) / 1024 >= c.min_gpu_ram_gb,
         )
     )
     if c.excluded_machines:
@@ -157,7 +158,8 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
     f = criteria.filters
     return OfferQuery(
         countries=sorted(criteria.countries),
-        min_gpu_ram_mb=int(criteria.min_gpu_ram_gb * 1024 / 8),  # the pool: a card of 8 GPUs could hold it
+        # the pool: a machine of 8 GPUs could hold it between them (one card must, where the engine uses one)
+        min_gpu_ram_mb=int(criteria.min_gpu_ram_gb * 1024 / (1 if criteria.one_card else 8)),
         allocated_disk_gb=profile.disk_gb,
         limit=f.search_limit,
         pool_only=pool_only,

@@ -240,31 +240,13 @@ class BringUp:
                 else:
                     self.files = await hostops.kept_files(self.conn, self.profile, ctx.hub_url, token)
             return
-        if self.profile.engine == "vllm":
-            async with ctx.waits.on("pull"):
-                self.files = await snapshots.pull_snapshot(
-                    self.conn,
-                    await profiles.snapshot(ctx, self.profile),
-                    ctx.hub_url,
-                    token,
-                    ctx.settings.up.pull_connections,
-                    self.pull_limit_s,
-                    progress,
-                    ctx.settings.timeouts.pull_stall,
-                )
-            ctx.record.update(host, pulled_at=utcnow(), pulled_bytes=sum(sizes.values()))
-            return
+        limits = (ctx.settings.up.pull_connections, self.pull_limit_s, progress, ctx.settings.timeouts.pull_stall)
         async with ctx.waits.on("pull"):
-            self.files = await hostops.pull_files(
-                self.conn,
-                self.profile,
-                ctx.hub_url,
-                token,
-                ctx.settings.up.pull_connections,
-                self.pull_limit_s,
-                progress,
-                ctx.settings.timeouts.pull_stall,
-            )
+            if self.profile.engine == "vllm":
+                repo = await profiles.snapshot(ctx, self.profile)
+                self.files = await snapshots.pull_snapshot(self.conn, repo, ctx.hub_url, token, *limits)
+            else:
+                self.files = await hostops.pull_files(self.conn, self.profile, ctx.hub_url, token, *limits)
         ctx.record.update(host, pulled_at=utcnow(), pulled_bytes=sum(sizes.values()))
 
     async def start(self) -> None:
@@ -300,8 +282,10 @@ class BringUp:
         names = ", ".join(sorted({s.name or "unknown" for s in samples}))
         self.ctx.record.event("card", "loaded", f"{names}: {used:.0f} of {total:.0f} MiB in use", self.host.id)
         if self.profile.engine == "vllm":
-            # vLLM takes --gpu-memory-utilization of the card whatever it needs: its plan says whether it fits
-            problem = (await profiles.vllm_plan(self.ctx, self.profile)).problem(int(total * MIB))
+            # vLLM takes --gpu-memory-utilization of the one card it serves from, whatever it needs: its plan
+            # says whether that card fits
+            card = min(s.mem_total_mib or 0 for s in samples)
+            problem = (await profiles.vllm_plan(self.ctx, self.profile)).problem(int(card * MIB))
         else:
             problem = card_problem(await profiles.plan(self.ctx, self.profile.name), total, used)
         if problem:

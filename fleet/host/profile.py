@@ -168,7 +168,11 @@ async def _repo_template(ctx: Context, profile: Profile) -> str | None:
     files = {f.name: f for f in repo.files}
     token = hub_token(ctx)
     if "chat_template.jinja" in files:
-        return (await snapshots.small_file(ctx.hub_url, repo, files["chat_template.jinja"], token)).decode("utf-8")
+        raw = await snapshots.small_file(ctx.hub_url, repo, files["chat_template.jinja"], token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise snapshots.SnapshotError(f"{repo.repo}/chat_template.jinja: not UTF-8 text") from None
     if "tokenizer_config.json" not in files:
         return None
     raw = await snapshots.small_file(ctx.hub_url, repo, files["tokenizer_config.json"], token)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import asyncssh
 
 from fleet.engines import MODELS_DIR
-from fleet.engines.vllm import SNAPSHOT_FILES
 from fleet.host.ops import pull_file
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run
@@ -22,13 +21,14 @@ from fleet.plan.snapshot import RepoFile, Snapshot, SnapshotError, small_file
 
 
 def directory(snapshot: Snapshot) -> str:
-    """Where the host keeps the repository: under models/, by its name (a NAME of the profile's pattern)."""
-    return f"{MODELS_DIR}/{snapshot.repo.replace('/', '--')}"
+    """Where the host keeps the repository: under models/, by its name and commit (a standby host resumed
+    after its branch moved finds no directory of the new commit, and is not served stale files)."""
+    return f"{MODELS_DIR}/{snapshot.repo.replace('/', '--')}@{snapshot.commit}"
 
 
 def wanted(snapshot: Snapshot) -> list[RepoFile]:
     """The files a server loads; PhaseFailed when the repository holds no config or no weights."""
-    files = snapshot.pick(SNAPSHOT_FILES)
+    files = list(snapshot.files)
     names = {f.name for f in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise PhaseFailed(

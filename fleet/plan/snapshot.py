@@ -3,9 +3,11 @@
 `GET /api/models/{repo}/revision/{rev}?blobs=true` names the commit and every file: its size, its git blob
 id and, for a file stored in LFS (the weights), its sha256. A small file kept in git (config.json, the
 tokenizer) has no sha256 anywhere on the hub, only its blob id: fleet fetches it itself (the hub's token
-stays here), checks the blob id, and hands a host the bytes with their sha256. What the API answers is read
-strictly and bounded: a name that could climb out of the model's directory, a size that is not a count, a
-listing past its bounds is a one-line error, never a path on a host.
+stays here), checks the blob id, and hands a host the bytes with their sha256. Only the files a server loads
+are kept (fleet/engines/vllm.py SNAPSHOT_FILES, at the top level, under a plain name): `.gitattributes`, a
+README, pickles, the originals in a subdirectory, a name that could climb out of the model's directory are
+left out, never a path on a host. What is kept is read strictly: a size that is not a count, a listing past
+its bounds is a one-line error.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from fleet.core.errors import FleetError
+from fleet.engines.vllm import SNAPSHOT_FILES
 
 MAX_LISTING = 4 << 20  # the API's answer for a repository of thousands of files is well under this
 MAX_FILES = 2000
@@ -52,10 +55,6 @@ class Snapshot:
     commit: str
     files: tuple[RepoFile, ...]
 
-    def pick(self, patterns: tuple[str, ...]) -> list[RepoFile]:
-        """The files at the repository's top level whose names match one of `patterns`."""
-        return [f for f in self.files if any(fnmatch.fnmatchcase(f.name, p) for p in patterns)]
-
     def resolve_url(self, hub_url: str, name: str) -> str:
         return f"{hub_url}/{self.repo}/resolve/{self.commit}/{name}"
 
@@ -64,15 +63,17 @@ class Snapshot:
         return sum(f.size for f in self.files if f.name.endswith(".safetensors"))
 
 
-def parse_listing(data: bytes, repo: str) -> Snapshot:
-    """The API's answer, strictly. Files below the top level are left out (a model loads from the top)."""
+def parse_listing(data: bytes, repo: str, keep: tuple[str, ...] = SNAPSHOT_FILES) -> Snapshot:
+    """The API's answer, strictly, with the files whose names match `keep` at the top level (a model loads
+    from there). A repository that ships both puts its Hugging Face shards beside a `consolidated` file of
+    another format: the shards are kept."""
     shown = f"the hub's listing of {repo}"
     if len(data) > MAX_LISTING:
         raise SnapshotError(f"{shown} runs past {MAX_LISTING >> 20} MiB")
     try:
         doc = json.loads(data)
-    except ValueError:
-        raise SnapshotError(f"{shown} is not JSON") from None
+    except (ValueError, RecursionError):
+        raise SnapshotError(f"{shown} is not JSON we read") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("siblings"), list):
         raise SnapshotError(f"{shown} has no list of files (siblings)")
     commit = doc.get("sha")
@@ -86,10 +87,8 @@ def parse_listing(data: bytes, repo: str) -> Snapshot:
         if not isinstance(entry, dict) or not isinstance(entry.get("rfilename"), str):
             raise SnapshotError(f"{shown}: a file without a name")
         name = entry["rfilename"]
-        if "/" in name:
+        if not NAME.fullmatch(name) or name.startswith(".") or not any(fnmatch.fnmatchcase(name, p) for p in keep):
             continue
-        if not NAME.fullmatch(name) or name.startswith(".."):
-            raise SnapshotError(f"{shown}: {name[:60]!r} is not a file name fleet puts on a host")
         size, blob = entry.get("size"), entry.get("blobId")
         if not _count(size) or not isinstance(blob, str) or not HEX40.fullmatch(blob):
             raise SnapshotError(f"{shown}: {name} has no size and blob id (the API's blobs=true)")
@@ -105,6 +104,9 @@ def parse_listing(data: bytes, repo: str) -> Snapshot:
         elif size > MAX_SMALL_FILE:
             raise SnapshotError(f"{shown}: {name} holds {size} bytes outside LFS; at most {MAX_SMALL_FILE} are read")
         files.append(RepoFile(name, size, blob, sha256))
+    shards = [f for f in files if f.name.endswith(".safetensors") and not f.name.startswith("consolidated")]
+    if shards:
+        files = [f for f in files if not (f.name.endswith(".safetensors") and f.name.startswith("consolidated"))]
     return Snapshot(repo, commit, tuple(files))
 
 
