@@ -140,7 +140,8 @@ async def _get(url: str, params: dict[str, str], token: str, timeout_s: float, l
                 where = r.headers.get("Location", "")[:120]
                 raise SnapshotError(f"{shown}: the hub redirects it to {where!r}; name the repository as it is now")
             if r.status_code in (401, 403):
-                why = "$HF_TOKEN does not open it" if token else "gated or private, and $HF_TOKEN is not set"
+                where = "$HF_TOKEN or the variable hub.token_env names"
+                why = f"the token in {where} does not open it" if token else f"gated or private, and {where} is empty"
                 raise SnapshotError(f"{shown}: HTTP {r.status_code}: the hub refuses it ({why})")
             if r.status_code != 200:
                 code = r.headers.get("X-Error-Code", "")[:40]
