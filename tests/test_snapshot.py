@@ -4,6 +4,7 @@ a vLLM reply and /metrics say."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -15,7 +16,10 @@ from aiohttp import web
 from fleet.engines.metrics import requests_in_flight
 from fleet.engines.replies import Timings
 from fleet.localcloud import tinyhf
+from fleet.localcloud.cloud import Cloud
 from fleet.localcloud.hosts import VLLM_HOST_SCRIPTS
+from fleet.localcloud.server import DEFAULT_OFFERS_DIR
+from fleet.localcloud.state import CloudSettings
 from fleet.plan.snapshot import MAX_FILES, RepoFile, Snapshot, SnapshotError, listing, parse_listing, small_file
 from tests.helpers import http_server
 
@@ -179,3 +183,19 @@ def test_requests_in_flight_sum_each_engines_gauges_over_their_labels():
     assert requests_in_flight("vllm:num_requests_running{} NaN\n") is None
     assert requests_in_flight("vllm:num_requests_running{} 1.5\n") is None
     assert requests_in_flight("process_cpu_seconds_total 3\n") is None
+
+
+async def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_what_to_run(tmp_path):
+    cloud = Cloud(CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, vllm_python=None))
+    body = {"image": "ghcr.io/fleet-voice/vllm:0.32.0", "disk": 10, "label": "fleet-test", "runtype": "ssh_direct"}
+    try:
+        refused = cloud.state.instances[cloud.create(cloud.offers[0]["id"], body)]
+        assert refused.pull_error and "run scripts/setup-vllm" in refused.pull_error
+        for _ in range(100):  # the platform gives up the start, as a failed image pull does: no GPU ever billed
+            if refused.intended_status == "stopped":
+                break
+            await asyncio.sleep(0.05)
+        assert refused.status == "created" and refused.status_msg == refused.pull_error
+        assert refused.intended_status == "stopped" and refused.running_at is None
+    finally:
+        await cloud.shutdown()
