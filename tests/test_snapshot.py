@@ -185,17 +185,21 @@ def test_requests_in_flight_sum_each_engines_gauges_over_their_labels():
     assert requests_in_flight("process_cpu_seconds_total 3\n") is None
 
 
-async def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_what_to_run(tmp_path):
-    cloud = Cloud(CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, vllm_python=None))
-    body = {"image": "ghcr.io/fleet-voice/vllm:0.32.0", "disk": 10, "label": "fleet-test", "runtype": "ssh_direct"}
-    try:
-        refused = cloud.state.instances[cloud.create(cloud.offers[0]["id"], body)]
-        assert refused.pull_error and "run scripts/setup-vllm" in refused.pull_error
-        for _ in range(100):  # the platform gives up the start, as a failed image pull does: no GPU ever billed
-            if refused.intended_status == "stopped":
-                break
-            await asyncio.sleep(0.05)
-        assert refused.status == "created" and refused.status_msg == refused.pull_error
-        assert refused.intended_status == "stopped" and refused.running_at is None
-    finally:
-        await cloud.shutdown()
+def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_what_to_run(tmp_path):
+    # on an event loop of its own: the cloud's shutdown ends its loop's default executor
+    async def run() -> None:
+        cloud = Cloud(CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, vllm_python=None))
+        body = {"image": "ghcr.io/fleet-voice/vllm:0.32.0", "disk": 10, "label": "fleet-test", "runtype": "ssh_direct"}
+        try:
+            refused = cloud.state.instances[cloud.create(cloud.offers[0]["id"], body)]
+            assert refused.pull_error and "run scripts/setup-vllm" in refused.pull_error
+            for _ in range(100):  # the platform gives up the start, as after a failed image pull: no GPU billed
+                if refused.intended_status == "stopped":
+                    break
+                await asyncio.sleep(0.05)
+            assert refused.status == "created" and refused.status_msg == refused.pull_error
+            assert refused.intended_status == "stopped" and refused.running_at is None
+        finally:
+            await cloud.shutdown()
+
+    asyncio.run(run())
