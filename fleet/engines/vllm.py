@@ -20,14 +20,30 @@ PID_FILE = "vllm.pid"  # in RUN_DIR, as images/vllm/host/fleet-serve writes them
 LOG_FILE = "vllm.log"
 
 
-def block_tokens(profile: Profile) -> int:
-    """The tokens of one cache block: the prefix cache keeps whole blocks alone."""
+def flag_value(profile: Profile, flag: str, default: str) -> str:
+    """What the profile's args give `flag` (`--flag VALUE` or `--flag=VALUE`), else `default`. The values fleet
+    reads are checked when fleet.toml loads (fleet/core/profiles.py VLLM_NUMBERS)."""
     args = profile.args
     for i, a in enumerate(args):
-        value = args[i + 1] if a == "--block-size" and i + 1 < len(args) else a.partition("=")[2]
-        if (a == "--block-size" or a.startswith("--block-size=")) and value.isdigit() and int(value) > 0:
-            return int(value)
-    return BLOCK_TOKENS
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.partition("=")[2]
+    return default
+
+
+def block_tokens(profile: Profile) -> int:
+    """The tokens of one cache block: the prefix cache keeps whole blocks alone."""
+    return int(flag_value(profile, "--block-size", str(BLOCK_TOKENS)))
+
+
+def gpu_memory_utilization(profile: Profile) -> float:
+    return float(flag_value(profile, "--gpu-memory-utilization", "0.9"))
+
+
+def kv_bytes(profile: Profile) -> int | None:
+    """Bytes per KV cache element when --kv-cache-dtype says fp8; None: the weights' dtype ("auto")."""
+    return 1 if flag_value(profile, "--kv-cache-dtype", "auto").startswith("fp8") else None
 
 
 def server_argv(profile: Profile, port: int, model_dir: str) -> list[str]:

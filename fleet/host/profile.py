@@ -13,6 +13,7 @@ from fleet.context import Context
 from fleet.core import paths
 from fleet.core.config import Profile
 from fleet.core.models import Host
+from fleet.engines import vllm
 from fleet.plan import gguf, hfconfig, safetensors
 from fleet.plan import snapshot as snapshots
 from fleet.plan.gguf import GgufHeader
@@ -57,8 +58,8 @@ class CardNeed:
 async def card_need(ctx: Context, profile: Profile) -> CardNeed:
     """What an offer's card and link must carry for this profile, from its plan."""
     if profile.engine == "vllm":
-        vllm = await vllm_plan(ctx, profile)
-        return CardNeed(vllm.card_bytes_needed(), sum(f.size for f in (await snapshot(ctx, profile)).files))
+        planned = await vllm_plan(ctx, profile)
+        return CardNeed(planned.card_bytes_needed(), sum(f.size for f in (await snapshot(ctx, profile)).files))
     found = await plan(ctx, profile.name)
     return CardNeed(found.total_bytes(), found.file_bytes)
 
@@ -99,26 +100,10 @@ async def vllm_plan(ctx: Context, profile: Profile) -> VllmPlan:
     settings = VllmSettings(
         max_model_len=profile.ctx_per_slot,
         max_num_seqs=profile.slots,
-        gpu_memory_utilization=_float_arg(profile.args, "--gpu-memory-utilization", 0.9),
-        kv_bytes=1 if _arg(profile.args, "--kv-cache-dtype", "auto").startswith("fp8") else None,
+        gpu_memory_utilization=vllm.gpu_memory_utilization(profile),
+        kv_bytes=vllm.kv_bytes(profile),
     )
     return VllmPlan(profile.name, weights, layout, settings, int(ctx.settings.plan.runtime_mib_for(profile) * MIB))
-
-
-def _arg(args: list[str], flag: str, default: str) -> str:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return default
-
-
-def _float_arg(args: list[str], flag: str, default: float) -> float:
-    try:
-        return float(_arg(args, flag, str(default)))
-    except ValueError:
-        raise ValueError(f"args: {flag} takes a number") from None
 
 
 async def plan(

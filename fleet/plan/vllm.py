@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.engines.vllm import BLOCK_TOKENS
 from fleet.plan.hfconfig import AttentionLayout
-
-BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
