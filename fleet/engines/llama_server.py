@@ -33,21 +33,23 @@ IDLE_SLOTS = ("--cache-idle-slots", "--no-cache-idle-slots")
 
 
 def cache_args(profile: Profile) -> list[str]:
-    """One KV cache shared by a multi-slot host's slots, each slot held to its planned context.
+    """A KV cache stream per slot on a multi-slot host (`-no-kvu`), unless the profile asks for one shared cache.
 
-    With a stream per slot (llama-server's layout when -np is given), a decode step joins its speaking calls
-    in one forward pass only while their slot ids are consecutive (llama.cpp's split_equal): calls on slots 4
-    and 6 cost two passes a token, each reading every weight; an H200 served each of two callers 64 tok/s
-    instead of 137. Which slots a host's calls hold is its history's doing, so only a shared cache puts every
-    step in one pass. Its price: each step's attention reads the idle calls' cells too, small beside the
-    split for the shipped profiles (bench/gpu/results/2026-12-02-slots.md). In a shared cache an idle slot's
-    cells would be cleared when another call starts (--cache-idle-slots): a voice call's next turn must find
-    its own still on the card. A profile that says -no-kvu keeps a stream per slot; one that gives its own
-    per-slot context or idle-slot choice keeps that."""
+    A voice host always holds idle calls between their turns, and its speakers sit on whatever slots their
+    calls landed on. With a stream per slot and fleet's patch 0003 (images/llama-server/patches), a decode step
+    joins its speaking calls in one forward pass whatever their slots, and each call's attention reads its own
+    cells alone: idle calls cost no decode. One shared cache (`-kvu`) also joins any slots, but every call's
+    attention then reads every cached cell, idle calls' too: on the a4b shape with four speakers, 0.64-0.78 of a
+    stream per slot's rate (bench/gpu/results/2026-12-03-slots.md). A profile that says `-kvu` keeps it, with each
+    slot held to its planned context and an idle slot's cells kept on the card (--cache-idle-slots would clear
+    them when another call starts: a voice call's next turn must find its own); its own per-slot context or
+    idle-slot choice stands."""
     args = profile.args
     if profile.slots < 2 or any(a in NO_SHARED_CACHE for a in args):
         return []
-    added = [] if any(a in SHARED_CACHE for a in args) else ["-kvu"]
+    if not any(a in SHARED_CACHE for a in args):
+        return [NO_SHARED_CACHE[0]]
+    added = []
     if not any(a == PER_SLOT or a.startswith(PER_SLOT + "=") for a in args):
         added += [PER_SLOT, str(profile.ctx_per_slot)]
     if not any(a in IDLE_SLOTS for a in args):

@@ -5,6 +5,8 @@ Generated deterministically with the `gguf` package: the same name always gives 
 - `tiny`: llama, plain attention (the default test model);
 - `tiny-swa`: gemma2 with a 16-token sliding window (SWA cache loss with --ctx-checkpoints 0);
 - `tiny-recurrent`: mamba, a recurrent state (same trap, other cause);
+- `tiny-hybrid`: nemotron_h, Mamba2 layers beside an attention layer and an MLP (the hybrid memory of the
+  phonellm profile's Nemotron-H: a KV cache and a recurrent state per slot);
 - `tiny-rewrite`: `tiny` with a chat template that trims the model's replies (the template trap).
 All share a 356-token byte-level SPM vocabulary with a ChatML template. The output rows of the
 control and byte tokens are zero, so sampling mostly yields printable ASCII.
@@ -63,6 +65,7 @@ MODELS: dict[str, TinyModel] = {
     "tiny": TinyModel("tiny", "llama", "tiny-llama-bytes.gguf"),
     "tiny-swa": TinyModel("tiny-swa", "gemma2", "tiny-gemma2-swa16.gguf"),
     "tiny-recurrent": TinyModel("tiny-recurrent", "mamba", "tiny-mamba.gguf"),
+    "tiny-hybrid": TinyModel("tiny-hybrid", "nemotron_h", "tiny-nemotron-h-hybrid.gguf"),
     "tiny-rewrite": TinyModel("tiny-rewrite", "llama", "tiny-llama-rewriting-template.gguf", REWRITING_TEMPLATE),
     # its header promises tensors the file does not hold: llama-server dies loading it
     "tiny-truncated": TinyModel("tiny-truncated", "llama", "tiny-llama-truncated.gguf", truncate_to=0.6),
@@ -202,7 +205,60 @@ def _write_mamba(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int
     writer.add_tensor("output.weight", output_matrix(rng, n_vocab))
 
 
-_WRITERS = {"llama": _write_llama, "gemma2": _write_gemma2, "mamba": _write_mamba}
+# Nemotron-H's layer kinds, told apart as llama.cpp does: a Mamba2 layer has no KV heads and no FFN, an
+# attention layer KV heads and no FFN, an MLP layer an FFN alone.
+HYBRID_LAYERS = ("mamba2", "attention", "mlp", "mamba2")
+
+
+def _write_nemotron_h(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
+    head_dim = N_EMBD // N_HEAD
+    d_inner, d_state, d_conv, n_group, n_ssm_head = 2 * N_EMBD, 16, 4, 2, 8
+    d_conv_dim = d_inner + 2 * n_group * d_state
+    writer.add_context_length(N_CTX_TRAIN)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(len(HYBRID_LAYERS))
+    writer.add_feed_forward_length([N_FF if kind == "mlp" else 0 for kind in HYBRID_LAYERS])
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv([N_HEAD_KV if kind == "attention" else 0 for kind in HYBRID_LAYERS])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(n_ssm_head)
+    writer.add_ssm_group_count(n_group)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD))
+    for i, kind in enumerate(HYBRID_LAYERS):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        if kind == "mamba2":
+            writer.add_tensor(p + "ssm_in.weight", mat(2 * d_inner + 2 * n_group * d_state + n_ssm_head, N_EMBD))
+            writer.add_tensor(p + "ssm_conv1d.weight", mat(d_conv_dim, d_conv))
+            writer.add_tensor(p + "ssm_conv1d.bias", np.zeros(d_conv_dim, dtype=np.float32))
+            writer.add_tensor(p + "ssm_dt.bias", np.zeros(n_ssm_head, dtype=np.float32))
+            writer.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
+            writer.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+            writer.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+            writer.add_tensor(p + "ssm_out.weight", mat(N_EMBD, d_inner))
+        elif kind == "attention":
+            writer.add_tensor(p + "attn_q.weight", mat(N_HEAD * head_dim, N_EMBD))
+            writer.add_tensor(p + "attn_k.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
+            writer.add_tensor(p + "attn_v.weight", mat(N_HEAD_KV * head_dim, N_EMBD))
+            writer.add_tensor(p + "attn_output.weight", mat(N_EMBD, N_HEAD * head_dim))
+        else:
+            writer.add_tensor(p + "ffn_up.weight", mat(N_FF, N_EMBD))
+            writer.add_tensor(p + "ffn_down.weight", mat(N_EMBD, N_FF))
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    writer.add_tensor("output.weight", output_matrix(rng, n_vocab))
+
+
+_WRITERS = {"llama": _write_llama, "gemma2": _write_gemma2, "mamba": _write_mamba, "nemotron_h": _write_nemotron_h}
 
 
 def generate(name: str, path: Path, seed: int = 1234) -> Path:

@@ -7,9 +7,9 @@
   plus the fixed recurrent state (f32) of each recurrent layer, whatever the context;
 - the draft model's own weights and cache (none for a draft that reads the target's, as Gemma 4's MTP
   head does), a runtime overhead and a headroom from fleet.toml;
-- with one KV cache shared by the slots (what fleet runs on a multi-slot host), each slot beyond the first
-  also grows the compute buffer: the attention mask spans the whole cache, a micro-batch's row of f16 for
-  every cell, in each context that attends it (the target's, and a draft's).
+- with one KV cache shared by the slots (a profile's `-kvu`; fleet runs a stream per slot), each slot beyond
+  the first also grows the compute buffer: the attention mask spans the whole cache, a micro-batch's row of
+  f16 for every cell, in each context that attends it (the target's, and a draft's).
 Pure functions over parsed headers; reading the headers is ggufhead.py's job.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import gguf
 
-from fleet.engines.llama_server import NO_SHARED_CACHE
+from fleet.engines.llama_server import SHARED_CACHE
 from fleet.plan.gguf import GgufError, GgufHeader
 
 GIB = 1024**3
@@ -60,8 +60,8 @@ class CacheSettings:
     swa_full: bool = False
     type_k: str = "f16"
     type_v: str = "f16"
-    # one KV cache for all slots when there are several (fleet/engines/llama_server.py cache_args)
-    shared: bool = True
+    # one KV cache for all slots, when the profile asks for it (fleet/engines/llama_server.py cache_args)
+    shared: bool = False
 
 
 @dataclass
@@ -302,7 +302,7 @@ def cache_settings_from_args(args: list[str], ctx_per_slot: int) -> CacheSetting
         swa_full="--swa-full" in args,
         type_k=value("-ctk", "--cache-type-k", default="f16"),
         type_v=value("-ctv", "--cache-type-v", default="f16"),
-        shared=not any(a in NO_SHARED_CACHE for a in args),  # fleet shares it unless the profile says not
+        shared=any(a in SHARED_CACHE for a in args),  # a stream per slot unless the profile asks for one cache
     )
 
 
