@@ -107,6 +107,18 @@ def output_matrix(rng: np.random.Generator, n_vocab: int, n_embd: int = N_EMBD) 
     return out
 
 
+def _normal(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+
+
+def _add_ssm_keys(writer: gguf.GGUFWriter, d_conv: int, d_inner: int, d_state: int, heads: int) -> None:
+    """The state-space keys of a Mamba (heads: the time-step rank) or Mamba2 layer (heads: its heads)."""
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(heads)
+
+
 def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
     head_dim = N_EMBD // N_HEAD
     writer.add_context_length(N_CTX_TRAIN)
@@ -147,7 +159,7 @@ def _attention_tensors(
     embd: np.ndarray | None = None,
 ) -> None:
     def mat(rows: int, cols: int) -> np.ndarray:
-        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+        return _normal(rng, rows, cols)
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
@@ -179,13 +191,10 @@ def _write_mamba(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int
     writer.add_feed_forward_length(0)
     writer.add_head_count(0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_ssm_conv_kernel(d_conv)
-    writer.add_ssm_inner_size(d_inner)
-    writer.add_ssm_state_size(d_state)
-    writer.add_ssm_time_step_rank(dt_rank)
+    _add_ssm_keys(writer, d_conv, d_inner, d_state, dt_rank)
 
     def mat(rows: int, cols: int) -> np.ndarray:
-        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+        return _normal(rng, rows, cols)
 
     writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD))
     for i in range(N_LAYER):
@@ -224,14 +233,11 @@ def _write_nemotron_h(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab
     writer.add_value_length(head_dim)
     writer.add_layer_norm_eps(1e-5)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_ssm_conv_kernel(d_conv)
-    writer.add_ssm_inner_size(d_inner)
-    writer.add_ssm_state_size(d_state)
-    writer.add_ssm_time_step_rank(n_ssm_head)
+    _add_ssm_keys(writer, d_conv, d_inner, d_state, n_ssm_head)
     writer.add_ssm_group_count(n_group)
 
     def mat(rows: int, cols: int) -> np.ndarray:
-        return rng.normal(0, 0.1, (rows, cols)).astype(np.float32)
+        return _normal(rng, rows, cols)
 
     writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD))
     for i, kind in enumerate(HYBRID_LAYERS):
