@@ -29,7 +29,7 @@ from fleet.economics import offers as offer_rules
 from fleet.economics.machines import MachineRecord
 from fleet.economics.report import Session
 from fleet.economics.selection import Expectation
-from fleet.host.measure import BenchReport
+from fleet.host.measure import BenchOptions, BenchReport
 from fleet.market import Offer
 from fleet.plan.memory import Plan
 from fleet.plan.vllm import VllmPlan
@@ -73,8 +73,9 @@ class Fleet(Context):
     async def probe(self, name: str, only: list[str] | None = None, plot_path: Path | None = None) -> list[ProbeResult]:
         return await fleet.host.measure.probe(self, name, only, plot_path)
 
-    async def bench(self, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int) -> BenchReport:
-        return await fleet.host.measure.bench(self, name, max_callers, waves, warmup, max_tokens)
+    async def bench(self, name: str, options: BenchOptions | None = None, **fields: Any) -> BenchReport:
+        """`fleet bench`: `options`, or the BenchOptions its `fields` make."""
+        return await fleet.host.measure.bench(self, name, options or BenchOptions(**fields))
 
     def blacklist_machine(self, host: Host, phase: str, reason: str) -> None:
         fleet.host.teardown.blacklist_machine(self, host, phase, reason)

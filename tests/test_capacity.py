@@ -44,7 +44,7 @@ def test_the_capacity_carries_its_evidence():
     assert (held.callers, held.exhausted) == (3, False)
     assert held.held.callers == 3 and held.missed.callers == 4
     assert held.why_missed == "first content p95 900 ms > 500 ms"
-    assert held.as_dict()["target"] == {"first_content_p95_ms": 500, "decode_tok_s": 15}
+    assert held.as_dict()["target"] == {"first_content_p95_ms": 500, "decode_tok_s": 15, "turn_gap_s": 8.0}
     every = capacity({1: level(1, 90), 2: level(2, 120)}, TARGET, 2)
     assert (every.callers, every.exhausted, every.missed) == (2, True, None)
     none = capacity({1: level(1, 700)}, TARGET, 4)
@@ -67,7 +67,7 @@ def test_a_bad_voice_target_is_named(tmp_path):
     text = (
         (root / "fleet.toml")
         .read_text()
-        .replace('"-t", "1", "--jinja"]\n', '"-t", "1", "--jinja"]\nvoice = { first_content_p95_ms = 0 }\n', 1)
+        .replace("voice = { turn_gap_s = 0.3 }\n", "voice = { first_content_p95_ms = 0 }\n", 1)
     )
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError, match=r"models\.tiny\.voice\.first_content_p95_ms: .*greater than 0"):

@@ -191,6 +191,11 @@ def test_probe_json_and_its_bad_input(env, cloud):
             (["probe", "no-such-host"], "no such host: 'no-such-host'"),
             (["probe", host["name"], "--only", "smoke", "--plot", "x.png"], "--plot draws the thermal probe"),
             (["bench", "no-such-host"], "no such host: 'no-such-host'"),
+            (["bench", host["name"], "--load", "everyone"], "--load is one of speakers, calls, both"),
+            (["bench", host["name"], "--gap", "-1"], "--gap 0 to 600 seconds"),
+            (["bench", host["name"], "--turns", "0"], "--calls and --turns at least 1"),
+            # the calls alone need a speaker capacity to predict from: none was measured on this host
+            (["bench", host["name"], "--load", "calls"], "bench its speakers first"),
         ]:
             bad = fleet(env, *args)
             assert bad.returncode == 2, (args, bad.stderr)

@@ -213,6 +213,10 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
                     "2",
                     "--waves",
                     "1",
+                    "--calls",
+                    "2",
+                    "--turns",
+                    "1",
                     "--csv",
                     str(tmp_path / "bench.csv"),
                     "--json",
@@ -220,7 +224,7 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
                 env={**os.environ, "FLEET_CONFIG": str(write_config(tmp_path, TINY4))},
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=300,
             )
         finally:
             await fleet.destroy(None)
@@ -238,6 +242,19 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     [row] = status
     assert (row["capacity"], row["capacity_at_least"]) == (4, True)
     assert row["usd_per_voice_minute"] == pytest.approx(report.usd_per_voice_minute)
+    # in conversation: each call waits the profile's gap after a reply, its turns spread over time
+    calls = report.calls
+    assert [level.calls for level in calls.levels] == [1, 2, 4]
+    assert all(level.errors == 0 and level.requests == level.calls * 4 for level in calls.levels)
+    assert all(level.waited == 0 for level in calls.levels)  # never more calls than slots
+    assert all(level.cache_reuse and level.cache_reuse > 0.5 for level in calls.levels)  # each call its own slot
+    assert all(0 < level.duty < 0.5 for level in calls.levels), [lv.duty for lv in calls.levels]
+    assert (calls.capacity.callers, calls.capacity.exhausted) == (4, True)
+    assert calls.turn_gap_s == 0.3 and calls.predicted == 4  # 4 speakers predict more calls than the 4 slots
+    assert (row["calls_capacity"], row["calls_at_least"]) == (4, True)
+    cli_report = json.loads(cli.stdout)
+    assert cli.returncode == 0, cli.stderr
+    assert [lv["calls"] for lv in cli_report["calls"]["levels"]] == [1, 2]
     assert cli.returncode == 0, cli.stderr
     answer = json.loads(cli.stdout)
     assert [row["callers"] for row in answer["levels"]] == [1, 2]

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from fleet.control.up import UpRequest
-from fleet.core.config import VoiceTarget
 from fleet.economics.machines import MachineRecord
 from fleet.economics.offers import effective_price_per_hour
 from fleet.economics.selection import expect, rank
@@ -100,15 +99,16 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             # fifth); its best of three, as a busy machine only ever lowers a rate
             rates = []
             for _ in range(3):
-                probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=64)
+                probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=64, load="speakers")
                 rates.append(probe.levels[0].decode_per_caller_tok_s)
             rate = max(rates)
-            target = VoiceTarget(first_content_p95_ms=5000, decode_tok_s=rate / 3)
+            target = tiny.voice.model_copy(update={"first_content_p95_ms": 5000, "decode_tok_s": rate / 3})
             fleet.settings = fleet.settings.model_copy(
                 update={"models": {**fleet.settings.models, "tiny": tiny.model_copy(update={"voice": target})}}
             )
-            healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
-            hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=64)
+            # speakers alone: the ranking reads a machine's measured capacity (calls where they were measured)
+            healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=64, load="speakers")
+            hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=64, load="speakers")
             cloud.set_faults({})  # the card cools, then heats up again once the probe has its cold sample
             sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, slowed))
             [thermal] = await fleet.probe(slowed.name, only=["thermal"])

@@ -171,7 +171,9 @@ def decode() -> None:
     start_cloud()
     try:
         host, up_s = up()
-        result = fleet("bench", host, "--callers", "8", "--max-tokens", "128", "--json", timeout=900)
+        result = fleet(
+            "bench", host, "--callers", "8", "--max-tokens", "128", "--load", "speakers", "--json", timeout=900
+        )
         report = json.loads(result.stdout)
         (OUT / "fleet-bench.json").write_text(json.dumps(report, indent=1))
         rows["fleet host (fleet bench: HTTPS, the local cloud's forwarder)"] = report["levels"]

@@ -10,12 +10,13 @@ from typing import Annotated, Any
 import typer
 
 from fleet.app import open_fleet
-from fleet.cli import render
+from fleet.cli import render, render_bench
 from fleet.cli.common import ConfigPath, JsonFlag, fail, load_settings, reporter, run_async
 from fleet.core import paths
 from fleet.core.errors import BadInput
 from fleet.core.models import utcnow
 from fleet.economics import report
+from fleet.host.measure import LOADS, BenchOptions
 from fleet.probes.runner import PROBES
 
 
@@ -61,22 +62,34 @@ def bench_cmd(
     waves: Annotated[int, typer.Option("--waves", help="Measured waves per level.")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Warm-up waves after the cold one, discarded.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Reply length per turn.")] = 32,
+    load: Annotated[
+        str, typer.Option("--load", help="speakers (all at once), calls (in conversation) or both.")
+    ] = "both",
+    calls: Annotated[int | None, typer.Option("--calls", help="Most calls in conversation (default: slots).")] = None,
+    turns: Annotated[int, typer.Option("--turns", help="Measured turns of each call in conversation.")] = 4,
+    gap: Annotated[
+        float | None, typer.Option("--gap", help="Mean seconds between a reply and the call's next turn.")
+    ] = None,
     csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV.")] = None,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
     """Replay a voice call at growing concurrency (1, 2, 4 ... then halving the gap) up to the most callers
-    the host holds at its profile's voice target; report what callers feel, that capacity and the cost per
-    voice-minute (recorded for `fleet status`)."""
+    the host holds at its profile's voice target, speaking all at once and in conversation (each call waits
+    the profile's voice.turn_gap_s between its turns); report what callers feel, both capacities, the calls
+    the speakers predict at the duty measured, and the cost per voice-minute (recorded for `fleet status`)."""
     settings = load_settings(config_path)
     if (callers is not None and callers < 1) or waves < 1 or warmup < 0 or max_tokens < 1:
         fail("--callers, --waves and --max-tokens must be at least 1, --warmup at least 0", 2)
+    if load not in LOADS or (calls is not None and calls < 1) or turns < 1 or (gap is not None and not 0 <= gap <= 600):
+        fail(f"--load is one of {', '.join(LOADS)}; --calls and --turns at least 1; --gap 0 to 600 seconds", 2)
+    options = BenchOptions(callers, waves, warmup, max_tokens, load, calls, turns, gap)
 
     async def go() -> Any:
         async with open_fleet(settings) as fleet:
             try:
-                return await fleet.bench(host, callers, waves, warmup, max_tokens)
-            except KeyError as e:
+                return await fleet.bench(host, options)
+            except (KeyError, ValueError) as e:
                 fail(str(e.args[0]), 2)
 
     result = run_async(go)
@@ -89,7 +102,7 @@ def bench_cmd(
     if json_output:
         render.print_json(result.as_dict())
         return
-    render.bench(host, waves, result)
+    render_bench.bench(host, waves, result)
 
 
 def report_cmd(

@@ -12,7 +12,6 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.core.config import Profile
-from fleet.economics.capacity import judge_level
 from fleet.economics.offers import effective_price_per_hour
 
 out = Console(soft_wrap=True)
@@ -155,7 +154,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
         "where",
         "$/h",
         "cost $",
-        "callers",
+        "calls (speakers)",
         "$/voice-min",
         "contract ends",
         "endpoint",
@@ -169,7 +168,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
             h["geolocation"][-2:],
             f"{h['usd_per_hour']:.3f}",
             f"{h['accrued_usd']:.4f}",
-            "-" if h["capacity"] is None else f"{'>=' if h['capacity_at_least'] else ''}{h['capacity']}",
+            held_calls(h),
             "-" if h["usd_per_voice_minute"] is None else f"{h['usd_per_voice_minute']:.5f}",
             h["contract_end_at"][:16].replace("T", " ") if h["contract_end_at"] else "-",
             h["endpoint"] or "-",
@@ -177,6 +176,16 @@ def status(hosts: list[dict[str, Any]]) -> None:
         for h in hosts
     ]
     table(columns, rows)
+
+
+def held_calls(h: dict[str, Any]) -> str:
+    """What a host holds: calls in conversation, with the speakers at once beside them ("12 (4)")."""
+    if h["capacity"] is None:
+        return "-"
+    speakers = f"{'>=' if h['capacity_at_least'] else ''}{h['capacity']}"
+    if h.get("calls_capacity") is None:
+        return f"- ({speakers})"
+    return f"{'>=' if h['calls_at_least'] else ''}{h['calls_capacity']} ({speakers})"
 
 
 def machines(found: list[Any]) -> None:
@@ -254,52 +263,6 @@ def probe_results(results: list[Any]) -> None:
         shown = {k: v for k, v in r.metrics.items() if k != "series"}
         line(mark, f" {r.name}: {r.diagnosis}")
         line(f"     {json.dumps(shown, default=str)}")
-
-
-def bench(host: str, waves: int, report: Any) -> None:
-    target = report.capacity.target
-    columns = (
-        "callers",
-        "first content p50 ms",
-        "p95 ms",
-        "decode tok/s",
-        "share",
-        "throughput tok/s",
-        "cache reuse",
-        "errors",
-        "target",
-    )
-    rows = []
-    for result in report.levels:
-        level = result.as_dict()
-        why = judge_level(result, target)
-        rows.append(
-            (
-                str(level["callers"]),
-                fmt(level["first_content_p50_ms"], "{:.1f}"),
-                fmt(level["first_content_p95_ms"], "{:.1f}"),
-                fmt(level["decode_per_caller_tok_s"], "{:.1f}"),
-                fmt(level["decode_share"], "{:.2f}"),
-                fmt(level["throughput_tok_s"], "{:.1f}"),
-                fmt(level["cache_reuse"], "{:.0%}"),
-                str(level["errors"]),
-                "met" if why is None else f"missed: {why}",
-            )
-        )
-    table(columns, rows, title=f"{host}: a voice call replayed, {waves} measured waves per level")
-    held = report.capacity
-    if report.kept_capacity is not None:
-        line(f"(an earlier bench measured {report.kept_capacity} callers, more than this one tried: kept)")
-    line(
-        f"capacity: {'at least ' if held.exhausted else ''}{held.callers} concurrent callers at first content "
-        f"p95 <= {target.first_content_p95_ms:g} ms and >= {target.decode_tok_s:g} tok/s per caller"
-        + (f" ({held.callers + 1} missed: {held.why_missed})" if held.why_missed else "")
-    )
-    if report.usd_per_voice_minute is not None:
-        line(
-            f"cost: ${report.usd_per_voice_minute:.5f} per voice-minute "
-            f"(${report.effective_usd_per_hour:.4f}/h with traffic, over {held.callers} calls)"
-        )
 
 
 def health(reports: list[Any]) -> None:

@@ -1,7 +1,8 @@
 """Sized to calls: READY capacity kept at a profile's target in a region, and the standby pool kept full.
 
-`decide` is pure, over what the record holds: the callers each READY host holds (its latest `fleet bench`
-capacity, else its profile's slots), the hosts coming up, the pool. `keep` acts on it: more hosts with
+`decide` is pure, over what the record holds: the calls each READY host holds (its latest `fleet bench`
+capacity in calls, in conversation at the voice target; else its speakers; else its slots:
+economics/capacity.py calls_held), the hosts coming up, the pool. `keep` acts on it: more hosts with
 `fleet up` (which takes pool hosts before it rents), the surplus retired make-before-break's way (drained,
 then destroyed), the pool refilled with `fleet up --standby`. A target of 0 calls sizes nothing: hosts a
 person brought up are never drained for want of a target.
@@ -19,6 +20,7 @@ from fleet.control import rotation
 from fleet.control.up import UpRequest, up
 from fleet.core.config import Serve
 from fleet.core.models import COMING_UP, POOL, Host, HostState
+from fleet.economics.capacity import calls_held
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,7 @@ def observe(ctx: Context, target: Serve) -> Sizing:
     hosts = ctx.record.hosts(model=target.model, region=target.region)
     ready = [h for h in hosts if h.state == HostState.READY]
     benches = ctx.record.latest_bench([h.id for h in ready if h.id is not None])
-    # a host holds at most the slots fleet started it with, whatever a bench of it recorded
-    callers = [(h, min(benches[h.id].capacity, h.slots) if h.id in benches else h.slots) for h in ready]
+    callers = [(h, calls_held(benches.get(h.id) if h.id is not None else None, h.slots)) for h in ready]
     in_flight = sum(1 for h in hosts if h.state in COMING_UP)
     pool = sum(1 for h in hosts if h.state in POOL)
     return decide(target, callers, in_flight, pool, ctx.settings.profile(target.model).slots)

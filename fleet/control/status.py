@@ -14,8 +14,8 @@ from fleet.economics.report import Session, gather
 
 
 def status(ctx: Context, include_ended: bool = False) -> list[dict[str, Any]]:
-    """Each host's summary, with the capacity and cost per voice-minute of its latest bench (None when
-    it was never benched)."""
+    """Each host's summary, with the capacities (speakers at once, calls in conversation) and cost per
+    voice-minute of its latest bench (None when it was never benched, or never for calls)."""
     hosts = ctx.record.hosts() if include_ended else ctx.record.hosts(states=LIVE_STATES)
     benched = ctx.record.latest_bench([h.id for h in hosts if h.id is not None])
     rows = []
@@ -26,6 +26,8 @@ def status(ctx: Context, include_ended: bool = False) -> list[dict[str, Any]]:
                 **host_summary(h),
                 "capacity": run.capacity if run else None,
                 "capacity_at_least": run.capacity_at_least if run else None,
+                "calls_capacity": run.calls_capacity if run else None,
+                "calls_at_least": run.calls_at_least if run else None,
                 "usd_per_voice_minute": run.usd_per_voice_minute if run else None,
             }
         )

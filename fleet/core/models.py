@@ -251,10 +251,17 @@ class BenchRun(SQLModel, table=True):
     at: datetime = Field(default_factory=utcnow, index=True)
     first_content_p95_ms_target: float
     decode_tok_s_target: float
-    capacity: int
+    capacity: int  # speakers: concurrent turns
     capacity_at_least: bool  # every level asked for met the target: the host may hold more
-    usd_per_voice_minute: float | None
+    usd_per_voice_minute: float | None  # over its calls where they were measured, else its speakers
     levels: str = "[]"
+    # the conversation load: calls in conversation at the target, with a turn_gap_s between their turns
+    calls_capacity: int | None = None
+    calls_at_least: bool | None = None
+    calls_predicted: int | None = None  # from the speakers and the measured duty (fleet/economics/duty.py)
+    calls_duty: float | None = None
+    turn_gap_s: float | None = None
+    calls_levels: str = "[]"
 
 
 class JobRun(SQLModel, table=True):

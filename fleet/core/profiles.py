@@ -66,10 +66,14 @@ class ProfileProbes(Strict):
 class VoiceTarget(Strict):
     """What a voice caller needs from a warm turn (DOMAIN.md, the workload): first content well under a
     second, and decode comfortably faster than speech (~4.5 tok/s). `fleet bench` finds how many
-    concurrent callers a host holds while meeting it: the host's capacity."""
+    concurrent callers a host holds while meeting it, speaking at once (its speakers) and in conversation
+    (its calls: each waits `turn_gap_s` on average after a reply before its next turn)."""
 
     first_content_p95_ms: Annotated[float, Field(gt=0)] = 500
     decode_tok_s: Annotated[float, Field(gt=0)] = 15
+    # The mean seconds from a reply to the call's next turn: the agent's reply spoken, the caller's answer and
+    # the turn transitions (README, "Capacity in calls", says where 8 s comes from)
+    turn_gap_s: Annotated[float, Field(ge=0, le=600)] = 8.0
 
 
 class Profile(Strict):

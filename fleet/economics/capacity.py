@@ -93,6 +93,23 @@ def capacity(measured: Mapping[int, Level], target: VoiceTarget, most: int) -> C
     )
 
 
+class Benched(Protocol):
+    """What sizing reads of a host's latest bench (core.models.BenchRun)."""
+
+    capacity: int
+    calls_capacity: int | None
+
+
+def calls_held(run: Benched | None, slots: int) -> int:
+    """What a host counts for when a target is sized in calls: the calls in conversation its latest bench held
+    at the voice target, else the speakers it held (a bench from before calls were measured), else its slots;
+    never more than the slots it was started with (each call keeps its cache in one)."""
+    if run is None:
+        return slots
+    held = run.calls_capacity if run.calls_capacity is not None else run.capacity
+    return max(min(held, slots), 0)
+
+
 def usd_per_voice_minute(effective_usd_per_hour: float, callers: int) -> float | None:
     """Dollars per concurrent call-minute: the host's effective $/h (traffic included) over the calls it
     carries at once, per minute. None for a host that carries none."""

@@ -33,7 +33,7 @@ class MachineRecord:
     probes: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> {"passed": n, "failed": n}
     one_caller_decode_tok_s: float | None = None  # the latest bench's one-caller rate
     thermal_share: float | None = None  # the latest thermal probe's decode share
-    capacity: int | None = None  # the latest bench's callers at the profile's voice target
+    capacity: int | None = None  # the latest bench's calls in conversation at the voice target (else speakers)
     last_seen: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -86,7 +86,7 @@ def remember(
     for bench in sorted(bench_runs, key=lambda b: b.at):
         if (key := machine_of.get(bench.host_id)) is None:
             continue
-        records[key].capacity = bench.capacity
+        records[key].capacity = bench.calls_capacity if bench.calls_capacity is not None else bench.capacity
         levels = json.loads(bench.levels or "[]")
         one = next((lv for lv in levels if lv.get("callers") == 1), None)
         if one and one.get("decode_per_caller_tok_s"):

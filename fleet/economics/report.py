@@ -104,12 +104,26 @@ def rows(session: Session) -> list[dict[str, Any]]:
                 "usd_per_hour": h.effective_usd_per_hour,
                 "state": h.state,
                 "probes": ", ".join(f"{n} {'pass' if ok else 'FAIL'}" for n, ok in r.probes.items()) or "-",
-                "capacity": None if b is None else f"{'>=' if b.capacity_at_least else ''}{b.capacity}",
+                "capacity": _held(b.capacity, b.capacity_at_least) if b is not None else None,
+                "calls": None
+                if b is None or b.calls_capacity is None
+                else f"{'>=' if b.calls_at_least else ''}{b.calls_capacity}",
                 "usd_per_voice_minute": None if b is None else b.usd_per_voice_minute,
                 "session_usd": lines[h.name].total_usd,
             }
         )
     return out
+
+
+def _held(count: int | None, at_least: bool | None) -> str | None:
+    return None if count is None else f"{'>=' if at_least else ''}{count}"
+
+
+def _calls(row: dict[str, Any]) -> str:
+    """The calls a host held in conversation, its speakers at once beside them: "24 (4)"."""
+    if row["capacity"] is None:
+        return "-"
+    return f"{row['calls'] or '-'} ({row['capacity']})"
 
 
 def _money(value: float | None, digits: int = 4) -> str:
@@ -118,14 +132,15 @@ def _money(value: float | None, digits: int = 4) -> str:
 
 def markdown(session: Session) -> str:
     table = [
-        "| host | engine | GPU | machine | region | $/h | state | probes | callers | $/voice-min | session cost |",
+        "| host | engine | GPU | machine | region | $/h | state | probes | calls (speakers) | $/voice-min | "
+        "session cost |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(session):
         table.append(
             f"| {row['host']} | {row['engine']} | {row['gpu']} | {row['machine']} | {row['region']} | "
             f"{row['usd_per_hour']:.4f} | "
-            f"{row['state']} | {row['probes']} | {row['capacity'] or '-'} | "
+            f"{row['state']} | {row['probes']} | {_calls(row)} | "
             f"{_money(row['usd_per_voice_minute'], 5)} | {_money(row['session_usd'])} |"
         )
     return "\n".join(
@@ -137,7 +152,8 @@ def markdown(session: Session) -> str:
             "",
             *table,
             "",
-            "Callers: the most concurrent callers a host held at its profile's voice target (`fleet bench`).",
+            "Calls (speakers): the most calls in conversation a host held at its profile's voice target, and in "
+            "brackets the most callers speaking at once (`fleet bench`); the cost per voice-minute is over the calls.",
             "",
         ]
     )
@@ -227,7 +243,7 @@ def plots(session: Session) -> dict[str, str]:
 
 def html(session: Session, images: dict[str, str]) -> str:
     e = html_escape.escape
-    head = ["host", "engine", "GPU", "machine", "region", "$/h", "state", "probes", "callers", "$/voice-min"]
+    head = ["host", "engine", "GPU", "machine", "region", "$/h", "state", "probes", "calls (speakers)", "$/voice-min"]
     head.append("session cost")
     body = []
     for row in rows(session):
@@ -240,7 +256,7 @@ def html(session: Session, images: dict[str, str]) -> str:
             f"{row['usd_per_hour']:.4f}",
             row["state"],
             row["probes"],
-            row["capacity"] or "-",
+            _calls(row),
             _money(row["usd_per_voice_minute"], 5),
             _money(row["session_usd"]),
         ]

@@ -18,21 +18,63 @@ from fleet.core.config import Profile
 from fleet.core.errors import FleetError
 from fleet.core.models import BenchRun, Host, HostState, ProbeRun
 from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voice_minute
+from fleet.economics.duty import calls_for
 from fleet.host import profile as profiles
 from fleet.host.endpoints import publish
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import HostKeyMismatch, connect
 from fleet.host.teardown import blacklist_machine
 from fleet.probes import ProbeResult
-from fleet.probes.bench import LevelResult, run_bench
+from fleet.probes.bench import LevelResult, fit_call, run_bench
 from fleet.probes.call import load_call
+from fleet.probes.conversation import CallsLevel, run_calls
 from fleet.probes.runner import PROBES, run_probes
+
+LOADS = ("speakers", "calls", "both")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """How `fleet bench` loads a host: the speaker levels (every caller speaking in every wave) and the
+    conversation levels (calls with `gap_s` between their turns, `turns` measured each; None: the profile's
+    voice.turn_gap_s)."""
+
+    max_callers: int | None = None
+    waves: int = 3
+    warmup: int = 1
+    max_tokens: int = 32
+    load: str = "both"  # "speakers", "calls" or "both"
+    max_calls: int | None = None
+    turns: int = 4
+    gap_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CallsReport:
+    """The conversation load's levels, the calls the host held at the voice target with the evidence, and the
+    calls its speakers predict at the duty measured (fleet/economics/duty.py), both within its slots."""
+
+    levels: list[CallsLevel]
+    capacity: Capacity
+    turn_gap_s: float
+    duty: float | None
+    predicted: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "levels": [lv.as_dict() for lv in self.levels],
+            "capacity": self.capacity.as_dict(),
+            "turn_gap_s": self.turn_gap_s,
+            "duty": self.duty,
+            "predicted": self.predicted,
+        }
 
 
 @dataclass(frozen=True)
 class BenchReport:
-    """What `fleet bench` found on a host: every level measured, the capacity at the profile's voice
-    target with its evidence, and dollars per concurrent call-minute at that capacity."""
+    """What `fleet bench` found on a host: every level measured, the capacity in speakers and in calls at
+    the profile's voice target with their evidence, and dollars per call-minute at the calls it holds (at
+    its speakers where no call was measured)."""
 
     host: str
     effective_usd_per_hour: float
@@ -40,6 +82,7 @@ class BenchReport:
     capacity: Capacity
     usd_per_voice_minute: float | None
     kept_capacity: int | None = None  # an earlier bench's capacity, more than this one tested: kept
+    calls: CallsReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +90,7 @@ class BenchReport:
             "effective_usd_per_hour": self.effective_usd_per_hour,
             "levels": [lv.as_dict() for lv in self.levels],
             "capacity": self.capacity.as_dict(),
+            "calls": self.calls.as_dict() if self.calls else None,
             "usd_per_voice_minute": self.usd_per_voice_minute,
             "kept_capacity": self.kept_capacity,
         }
@@ -108,42 +152,28 @@ async def probe(
             ssh.close()
 
 
-async def bench(
-    ctx: Context, name: str, max_callers: int | None, waves: int, warmup: int, max_tokens: int
-) -> BenchReport:
-    """Replay the call at growing concurrency, searching for the most callers the host holds at its
-    profile's voice target; record the levels, the capacity and the cost per voice-minute."""
+async def bench(ctx: Context, name: str, options: BenchOptions) -> BenchReport:
+    """Replay the call at growing concurrency, searching for the most speakers and the most calls in
+    conversation the host holds at its profile's voice target; record the levels, both capacities and the
+    cost per voice-minute."""
     host = serving_host(ctx, name)
     assert host.api_url and host.id is not None
     profile = ctx.settings.profile(host.model)
     target = profile.voice
-    levels = await run_bench(
-        ctx.server(host),
-        load_call(),
-        max_callers=max_callers,
-        waves=waves,
-        warmup=warmup,
-        max_tokens=max_tokens,
-        search=lambda most: lambda measured: next_level(measured, target, most),
-        slots_started=host.slots,
-        engine=profile.engine,
-        ctx_per_slot=profile.ctx_per_slot,
-    )
-    held = capacity({lv.callers: lv for lv in levels}, target, max_callers or max(lv.callers for lv in levels))
-    if held.callers > host.slots:
-        # a caller beyond the slots fleet started the server with waits for one: what held there is the
-        # host's claim (a lying /props, timings), not a capacity
-        held = Capacity(
-            host.slots, target, False, held.held, None, f"capped at the {host.slots} slots it was started with"
-        )
+    if options.load not in LOADS:
+        raise ValueError(f"--load {options.load!r}: one of {', '.join(LOADS)}")
     earlier = ctx.record.latest_bench([host.id]).get(host.id)
+    levels: list[LevelResult] = []
     kept = None
-    if held.exhausted and earlier is not None and host.slots >= earlier.capacity > held.callers:
-        # this bench held at every level it tried, and tried fewer callers than the host was measured to
-        # hold: it says nothing against that capacity, which stays
-        kept = earlier.capacity
-        held = Capacity(earlier.capacity, target, earlier.capacity_at_least, held.held, None, None)
-    cost = usd_per_voice_minute(host.effective_usd_per_hour, held.callers)
+    if options.load != "calls":
+        levels, held, kept = await _speakers(ctx, host, profile, options, earlier)
+    elif earlier is None:
+        raise ValueError(f"{name}: no speaker capacity measured yet: bench its speakers first (--load both)")
+    else:  # the calls alone: the speakers' levels and capacity stay the latest bench's
+        levels = [LevelResult(**lv) for lv in json.loads(earlier.levels)]
+        held = Capacity(earlier.capacity, target, earlier.capacity_at_least, None, None, None)
+    calls = await _calls(ctx, host, profile, options, held) if options.load != "speakers" else None
+    cost = usd_per_voice_minute(host.effective_usd_per_hour, calls.capacity.callers if calls else held.callers)
     ctx.record.add(
         BenchRun(
             host_id=host.id,
@@ -153,10 +183,79 @@ async def bench(
             capacity_at_least=held.exhausted,
             usd_per_voice_minute=cost,
             levels=json.dumps([lv.as_dict() for lv in levels]),
+            calls_capacity=calls.capacity.callers if calls else None,
+            calls_at_least=calls.capacity.exhausted if calls else None,
+            calls_predicted=calls.predicted if calls else None,
+            calls_duty=calls.duty if calls else None,
+            turn_gap_s=calls.turn_gap_s if calls else None,
+            calls_levels=json.dumps([lv.as_dict() for lv in calls.levels] if calls else []),
         )
     )
-    await publish(ctx)  # a capacity measured: the gateway's limit for this host follows
-    return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost, kept)
+    await publish(ctx)  # a capacity measured: the gateway's limits for this host follow
+    return BenchReport(host.name, host.effective_usd_per_hour, levels, held, cost, kept, calls)
+
+
+async def _speakers(
+    ctx: Context, host: Host, profile: Profile, options: BenchOptions, earlier: BenchRun | None
+) -> tuple[list[LevelResult], Capacity, int | None]:
+    """The speaker levels: the most callers speaking in every wave at the target (within the host's slots),
+    with an earlier bench's capacity kept where this one tried fewer."""
+    target = profile.voice
+    levels = await run_bench(
+        ctx.server(host),
+        load_call(),
+        max_callers=options.max_callers,
+        waves=options.waves,
+        warmup=options.warmup,
+        max_tokens=options.max_tokens,
+        search=lambda most: lambda measured: next_level(measured, target, most),
+        slots_started=host.slots,
+        engine=profile.engine,
+        ctx_per_slot=profile.ctx_per_slot,
+    )
+    held = capacity({lv.callers: lv for lv in levels}, target, options.max_callers or max(lv.callers for lv in levels))
+    held = _within_slots(held, host.slots)
+    kept = None
+    if held.exhausted and earlier is not None and host.slots >= earlier.capacity > held.callers:
+        # this bench held at every level it tried, and tried fewer callers than the host was measured to
+        # hold: it says nothing against that capacity, which stays
+        kept = earlier.capacity
+        held = Capacity(earlier.capacity, target, earlier.capacity_at_least, held.held, None, None)
+    return levels, held, kept
+
+
+async def _calls(ctx: Context, host: Host, profile: Profile, options: BenchOptions, speakers: Capacity) -> CallsReport:
+    """The conversation levels: the most calls in conversation at the target, each keeping its cache in a
+    slot (so never more than the slots), and the calls the speaker capacity predicts at the duty measured."""
+    target = profile.voice
+    gap = profile.voice.turn_gap_s if options.gap_s is None else options.gap_s
+    server = ctx.server(host)
+    call, slots = await fit_call(
+        server, load_call(), slots_started=host.slots, engine=profile.engine, ctx_per_slot=profile.ctx_per_slot
+    )
+    most = min(options.max_calls or slots, host.slots)
+    levels = await run_calls(
+        server,
+        call,
+        choose=lambda measured: next_level(measured, target, most),
+        turns=options.turns,
+        max_tokens=options.max_tokens,
+        gap_s=gap,
+        slots=slots,
+    )
+    held = _within_slots(capacity({lv.calls: lv for lv in levels}, target, most), host.slots)
+    at = next((lv for lv in reversed(levels) if lv.calls <= max(held.callers, 1) and lv.duty), None)
+    duty = at.duty if at else None
+    predicted = None if duty is None else min(calls_for(speakers.callers, duty), host.slots)
+    return CallsReport(levels, held, gap, duty, predicted)
+
+
+def _within_slots(held: Capacity, slots: int) -> Capacity:
+    """A capacity no larger than the slots the host was started with: a caller beyond them waits for one, so
+    what held there is the host's claim (a lying /props, timings), not a capacity."""
+    if held.callers <= slots:
+        return held
+    return Capacity(slots, held.target, False, held.held, None, f"capped at the {slots} slots it was started with")
 
 
 def serving_host(ctx: Context, name: str) -> Host:

@@ -48,15 +48,34 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+@dataclass(frozen=True)
+class Replies:
+    """What a level's replies say, pooled: those that answered, their first contents, decode rates and cache
+    reuse (cache_n over the prompt)."""
+
+    good: list[ChatResult]
+    firsts: list[float]
+    decode: list[float]
+    reuse: list[float]
+
+    @classmethod
+    def of(cls, results: list[ChatResult]) -> Replies:
+        good = [r for r in results if r.status == 200 and not r.error]
+        return cls(
+            good,
+            [r.timing.first_content_ms for r in good if r.timing.first_content_ms is not None],
+            [rate for r in good if (rate := r.decode_tok_s)],
+            [r.served.cache_n / r.usage["prompt_tokens"] for r in good if r.usage.get("prompt_tokens")],
+        )
+
+
 def summarize(
     callers: int, waves: list[tuple[float, list[ChatResult]]], one_caller_decode: float | None, reconnects: int
 ) -> LevelResult:
     """Pool the measured waves of one level (pure: tested on recorded results)."""
     results = [r for _, wave in waves for r in wave]
-    good = [r for r in results if r.status == 200 and not r.error]
-    firsts = [r.timing.first_content_ms for r in good if r.timing.first_content_ms is not None]
-    decode = [rate for r in good if (rate := r.decode_tok_s)]
-    reuse = [r.served.cache_n / r.usage["prompt_tokens"] for r in good if r.usage.get("prompt_tokens")]
+    pooled = Replies.of(results)
+    good, firsts, decode, reuse = pooled.good, pooled.firsts, pooled.decode, pooled.reuse
     throughput = [sum(r.served.predicted_n for r in wave) / wall for wall, wave in waves if wall > 0]
     per_caller = statistics.median(decode) if decode else None
     prompts = [float(r.usage["prompt_tokens"]) for r in good if r.usage.get("prompt_tokens")]
