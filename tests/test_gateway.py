@@ -532,6 +532,45 @@ async def test_a_capacity_measured_sets_the_hosts_limit_and_the_daemon_exports_i
     assert limits[host.name] == 1
 
 
+async def test_a_host_benched_for_calls_takes_new_calls_while_its_pinned_calls_stay_under_its_capacity(gw):
+    key = await gateway.add_key(gw, "mallory")
+    await wait_hosts_up(gw)
+    hosts = gw.record.hosts(states=(HostState.READY,))
+    runtime, files = Runtime(files_for(gw.settings).socket), files_for(gw.settings)
+
+    def benched(host, calls: int | None) -> BenchRun:
+        return BenchRun(
+            host_id=host.id, first_content_p95_ms_target=500, decode_tok_s_target=20, capacity=1,
+            capacity_at_least=False, usd_per_voice_minute=None, levels="[]", calls_capacity=calls,
+        )  # fmt: skip
+
+    try:
+        for host in hosts:  # each holds one call in conversation: its one slot keeps that call's cache
+            gw.record.add(benched(host, 1))
+        await publish(gw)
+        assert set((await runtime.map_entries(files.calls_map)).values()) == {"1"}
+        async with client(gw, key) as c:
+            for call in ("talking-a", "talking-b"):
+                assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": call})).status_code == 200
+            # no stream is in flight, but each host holds a call that spoke within the call idle time: full
+            refused = await c.post(CHAT, json=turn("a new call"), headers={"X-Session-Id": "third"})
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "overloaded"
+            # a turn of a call in conversation goes on
+            again = await c.post(CHAT, json=turn("next turn"), headers={"X-Session-Id": "talking-a"})
+            assert again.status_code == 200
+            # benched for speakers alone: a free stream takes a new call again
+            for host in hosts:
+                gw.record.add(benched(host, None))
+            await publish(gw)
+            assert await runtime.map_entries(files.calls_map) == {}
+            taken = await c.post(CHAT, json=turn("a new call"), headers={"X-Session-Id": "fourth"})
+            assert taken.status_code == 200
+    finally:
+        for host in hosts:  # the next tests take new calls by free streams
+            gw.record.add(benched(host, None))
+        await publish(gw)
+
+
 async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):
     key = await gateway.add_key(gw, "heidi")
     await wait_hosts_up(gw)

@@ -3,7 +3,13 @@
 --   "turn": the call (txn.call) is pinned to a host that lives (up, or draining): never refused, it goes there
 --   "new":  a new call, and a host that takes new calls (up, not draining) has a free place
 --   "full": a new call and no free place: overflow, or 503
--- A place is one concurrent stream of the host's measured capacity (its server's maxconn).
+-- A place is one call of the calls its host holds in conversation (host-calls.map beside this file, which fleet
+-- keeps: `fleet bench`'s capacity in calls), counted as the calls pinned to it in the stick table that spoke
+-- within the call idle time; a host never benched for calls has one place per concurrent stream of its
+-- measured capacity (its server's maxconn). Turns in flight beyond the maxconn wait in HAProxy's queue.
+
+local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+local calls_limit = Map.new(here .. "host-calls.map", Map._str)
 
 -- a server's status: "UP" (or "UP 1/2": a check failed, not yet down), "DRAIN", "NOLB", "MAINT", "DOWN"
 -- (or "DOWN 1/2": coming back, not yet up)
@@ -13,6 +19,21 @@ end
 
 local function alive(status)
   return takes_new(status) or status:sub(1, 5) == "DRAIN" or status:sub(1, 4) == "NOLB"
+end
+
+-- the calls pinned to each server that spoke within the call idle time (http_req_rate over it)
+local function pinned(be)
+  local counts = {}
+  if be.stktable == nil then
+    return counts
+  end
+  for _, entry in pairs(be.stktable:dump()) do
+    local rate = tonumber(entry.http_req_rate) or 0
+    if entry.server_key ~= nil and rate > 0 then
+      counts[entry.server_key] = (counts[entry.server_key] or 0) + 1
+    end
+  end
+  return counts
 end
 
 core.register_fetches("fleet_admit", function(txn, backend)
@@ -29,12 +50,17 @@ core.register_fetches("fleet_admit", function(txn, backend)
       return "turn"
     end
   end
-  for _, srv in pairs(be.servers) do
+  local counts = nil
+  for name, srv in pairs(be.servers) do
     local stats = srv:get_stats()
     if takes_new(stats.status) then
-      local limit = tonumber(stats.slim) or 0
-      local current = tonumber(stats.scur) or 0
-      if limit > current then
+      local limit = tonumber(calls_limit:lookup(backend .. "/" .. name))
+      if limit ~= nil then
+        counts = counts or pinned(be)
+        if (counts[name] or 0) < limit then
+          return "new"
+        end
+      elseif (tonumber(stats.slim) or 0) > (tonumber(stats.scur) or 0) then
         return "new"
       end
     end

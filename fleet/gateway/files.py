@@ -64,6 +64,12 @@ class GatewayFiles:
         return self.directory / "host-names.map"  # a slot's section -> the name its host's certificate holds
 
     @property
+    def calls_map(self) -> Path:
+        # a backend's door (calls_tN/sS) -> the calls its host holds in conversation: admission.lua loads it from
+        # its own folder, so the name is fixed
+        return self.directory / "host-calls.map"
+
+    @property
     def lua(self) -> Path:
         return self.directory / "admission.lua"
 
@@ -105,7 +111,7 @@ def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -
     files.directory.chmod(0o700)
     for lua in (files.lua, files.observe_lua):
         write_public(lua, resources.files("fleet.gateway").joinpath(lua.name).read_bytes())
-    for map_file in (files.agent_map, files.host_map, files.name_map):
+    for map_file in (files.agent_map, files.host_map, files.name_map, files.calls_map):
         write_public(map_file, b"")
     _certificate(files, settings, ca)
 

@@ -100,6 +100,11 @@ class Runtime:
         (text,) = await self.run(checked("show", "map", str(map_file)))
         return parse_map(text)
 
+    async def map_entries_if_loaded(self, map_file: Path) -> dict[str, str] | None:
+        """The map's entries; None when this HAProxy has no such map (one an older fleet started)."""
+        (text,) = await self.run(checked("show", "map", str(map_file)))
+        return None if refusal(text) else parse_map(text)
+
     async def observed(self) -> list[SlotObserved]:
         """What observe.lua counted per target backend and host slot (`fleet metrics`); nothing from an HAProxy
         started without it."""

@@ -1,7 +1,7 @@
 """Apply the desired state (targets.py) to a running HAProxy through its Runtime API, changing only what
 differs: the agents' keys, and in each target's backend, slot by slot, the host its door holds (added
-with its address, its certificate's name and its key; removed once gone), its limit and weight, and
-whether it takes new calls (ready) or only finishes its own (drain)."""
+with its address, its certificate's name and its key; removed once gone), its streams limit and weight, the
+calls it takes pinned at once, and whether it takes new calls (ready) or only finishes its own (drain)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ async def sync(ctx: Context, files: GatewayFiles, targets: list[Target]) -> Sync
     states: dict[str, list[ServerState]] = {}
     for server in await runtime.servers():
         states.setdefault(server.backend, []).append(server)
-    maps = Maps(await runtime.map_entries(files.host_map), await runtime.map_entries(files.name_map))
+    maps = Maps(
+        await runtime.map_entries(files.host_map),
+        await runtime.map_entries(files.name_map),
+        await runtime.map_entries_if_loaded(files.calls_map),
+    )
     for target in targets:
         wanted = {m.slot: m for m in members(ctx, target)}
         doors = {s.name: s for s in states.get(target.backend, [])}
@@ -49,6 +53,7 @@ async def sync(ctx: Context, files: GatewayFiles, targets: list[Target]) -> Sync
 class Maps:
     keys: dict[str, str]  # slot section -> its host's key
     names: dict[str, str]  # slot section -> its host's name
+    calls: dict[str, str] | None  # a door (calls_tN/sS) -> the calls its host takes pinned; None: no such map
 
 
 async def _agents(ctx: Context, runtime: Runtime, files: GatewayFiles, report: SyncReport) -> None:
@@ -91,9 +96,13 @@ async def _slot(
     if member is None:
         if door is not None and not door.in_maintenance:
             await runtime.must(checked("set", "server", front, "state", "maint"))
-        for map_file, entries in ((files.host_map, maps.keys), (files.name_map, maps.names)):
-            if section in entries:
-                await runtime.must(checked("del", "map", str(map_file), section))
+        for map_file, entries, key in (
+            (files.host_map, maps.keys, section),
+            (files.name_map, maps.names, section),
+            (files.calls_map, maps.calls or {}, front),
+        ):
+            if key in entries:
+                await runtime.must(checked("del", "map", str(map_file), key))
         return
     for map_file, entries, value in (
         (files.host_map, maps.keys, member.key),
@@ -109,11 +118,18 @@ async def _slot(
         await runtime.must(checked("set", "server", server, "addr", member.address, "port", str(member.port)))
         await runtime.must(checked("set", "server", server, "state", "ready"))
         report.added.append(member.host)
-    calls = max(member.calls, 1)  # 0 would be no limit to HAProxy; a host measured at 0 drains instead
+    streams = max(member.streams, 1)  # 0 would be no limit to HAProxy; a host measured at 0 drains instead
     # limit and weight are set together: a door whose weight is the limit already holds it (every beat would
     # otherwise send both again), unless the limit is past what a weight can say
-    if door is None or door.weight != min(calls, WEIGHT_MAX) or calls > WEIGHT_MAX:
-        await runtime.must(checked("set", "maxconn", "server", front, str(calls)))
-        await runtime.must(checked("set", "weight", front, str(min(calls, WEIGHT_MAX))))
+    if door is None or door.weight != min(streams, WEIGHT_MAX) or streams > WEIGHT_MAX:
+        await runtime.must(checked("set", "maxconn", "server", front, str(streams)))
+        await runtime.must(checked("set", "weight", front, str(min(streams, WEIGHT_MAX))))
+    # the calls it takes pinned at once (admission.lua counts them against this; without it, a free stream)
+    if maps.calls is not None:
+        if member.calls is None and front in maps.calls:
+            await runtime.must(checked("del", "map", str(files.calls_map), front))
+        elif member.calls is not None and maps.calls.get(front) != str(member.calls):
+            verb = "set" if front in maps.calls else "add"
+            await runtime.must(checked(verb, "map", str(files.calls_map), front, str(member.calls)))
     if door is None or door.in_maintenance or bool(door.admin_state & DRAIN_FORCED) != member.draining:
         await runtime.must(checked("set", "server", front, "state", "drain" if member.draining else "ready"))

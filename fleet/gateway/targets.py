@@ -1,6 +1,7 @@
 """What the gateway should serve, derived from fleet.toml and the record: one target per [[serve]] table,
 and in each target's backend one member per open host that serves it (READY, or DRAINING to finish its
-calls), in the slot the record gave it, limited to the calls its latest bench measured."""
+calls), in the slot the record gave it, taking new calls up to the calls its latest bench held in conversation
+and streams up to the speakers it held at once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from urllib.parse import urlsplit
 from fleet.context import Context
 from fleet.core.config import Settings
 from fleet.core.gatewayrecord import assign_slot
-from fleet.core.models import Host, HostState
+from fleet.core.models import BenchRun, Host, HostState
+from fleet.economics.capacity import calls_held
 
 SERVED = (HostState.READY, HostState.DRAINING)
 
@@ -39,7 +41,10 @@ class Member:
     host: str  # its name: what its certificate's common name says
     address: str
     port: int
-    calls: int  # concurrent streams it takes: its bench's capacity at the voice target, or its slots
+    streams: int  # concurrent streams it takes: the speakers its bench held at the voice target, or its slots
+    # calls pinned to it at once: the calls in conversation its bench held (within its slots); None until a bench
+    # measured them, and a new call then takes a free stream
+    calls: int | None
     draining: bool
     key: str = field(repr=False)  # the host's llama-server key: only HAProxy's memory holds it
 
@@ -82,20 +87,22 @@ def members(ctx: Context, target: Target) -> list[Member]:
         if host.gateway_slot is None and host.state != HostState.READY:
             continue  # a draining host that never had a slot has no call to finish here
         slot = assign_slot(ctx.record, host, ctx.settings.gateway.slots)
-        out.append(_member(ctx, host, slot, benches[host.id].capacity if host.id in benches else None))
+        out.append(_member(ctx, host, slot, benches.get(host.id) if host.id is not None else None))
     return out
 
 
-def _member(ctx: Context, host: Host, slot: int, measured: int | None) -> Member:
+def _member(ctx: Context, host: Host, slot: int, run: BenchRun | None) -> Member:
     address, port = address_of(host.api_url or "") or ("", 0)
     # a host holds at most the slots it was started with, whatever a bench of it recorded
-    calls = host.slots if measured is None else min(measured, host.slots)
+    streams = host.slots if run is None else max(min(run.capacity, host.slots), 0)
+    calls = None if run is None or run.calls_capacity is None else calls_held(run, host.slots)
     return Member(
         slot=slot,
         host=host.name,
         address=address,
         port=port,
-        calls=max(calls, 0),
-        draining=host.state == HostState.DRAINING or calls <= 0,
+        streams=streams,
+        calls=calls,
+        draining=host.state == HostState.DRAINING or streams <= 0,
         key=ctx.api_key(host) or "",
     )
