@@ -326,7 +326,7 @@ async def test_capacity_is_one_less_than_the_callers_that_first_miss_the_target(
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny2", "eu"))).ready[0]
         try:
-            report = await fleet.bench(host.name, max_callers=4, waves=1, warmup=0, max_tokens=800)
+            report = await fleet.bench(host.name, max_callers=4, waves=1, warmup=0, max_tokens=800, load="speakers")
         finally:
             await fleet.destroy(None)
     judged = {lv.callers: judge_level(lv, target) for lv in report.levels}
