@@ -148,15 +148,18 @@ async def bring_up_one(
             return f"no offer left to try ({last_reason})"
         tried.add(offer.id)
         started = time.monotonic()
+        # the slots this card holds (the profile's, or with fill_card as many as its plan fits there)
+        card_mb = offer.gpu_ram_mb * max(offer.num_gpus, 1)
+        on_card = profiles.sized(profile, await profiles.slots_for(ctx, profile, card_mb))
         try:
-            host = await intent_to_create(ctx, run_id, profile, request, offer)
+            host = await intent_to_create(ctx, run_id, on_card, request, offer)
         except CapReached as e:
             picker.release(offer)
             return str(e)
         report = AttemptReport.of(host)
         result.attempts.append(report)
         try:
-            await BringUp(ctx, host, profile, offer, standby=request.standby).run()
+            await BringUp(ctx, host, on_card, offer, standby=request.standby).run()
             end_attempt(ctx, host, None, None)
             await publish(ctx)
             if request.standby:

@@ -85,6 +85,11 @@ class Profile(Strict):
     disk_gb: Annotated[float, Field(ge=8)]
     slots: Annotated[int, Field(ge=1)]
     ctx_per_slot: Annotated[int, Field(ge=256)]
+    # As many slots of ctx_per_slot as the rented card holds by the plan (never fewer than `slots`, the least
+    # an offer must hold; at most `max_slots`, and llama.cpp's 256 sequences): a big card serves many calls,
+    # each keeping its cache. -np and -c follow on each host; `fleet status` shows its slots.
+    fill_card: bool = False
+    max_slots: Annotated[int | None, Field(ge=1, le=256)] = None
     traffic_gb_per_hour: Traffic = Traffic()
     files: list[ModelFile] = []  # llama-server: the GGUF files, one of them key "main"
     snapshot: Snapshot | None = None  # vllm: the repository
@@ -144,6 +149,10 @@ class Profile(Strict):
                     f"args: {forbidden} is set by fleet, not the profile"
                     + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
                 )
+        if self.fill_card and not ("-np" in self.args and "-c" in self.args):
+            raise ValueError("fill_card: the args must give -np and -c, which fleet sets for each host's card")
+        if self.max_slots is not None and self.max_slots < self.slots:
+            raise ValueError(f"max_slots ({self.max_slots}) is fewer than slots ({self.slots})")
         # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
         if "-np" in self.args and self.args[self.args.index("-np") + 1 :][:1] != [str(self.slots)]:
             raise ValueError(f"args: -np must equal slots ({self.slots})")
@@ -152,6 +161,8 @@ class Profile(Strict):
         return self
 
     def _vllm(self) -> Profile:
+        if self.fill_card:
+            raise ValueError("fill_card: a vllm profile's sequences are --max-num-seqs at its slots")
         if self.snapshot is None or self.files:
             raise ValueError("engine = 'vllm' serves a repository: give snapshot = { repo, revision }, not files")
         for i, arg in enumerate(self.args):

@@ -287,7 +287,8 @@ class BringUp:
             card = min(s.mem_total_mib or 0 for s in samples)
             problem = (await profiles.vllm_plan(self.ctx, self.profile)).problem(int(card * MIB))
         else:
-            problem = card_problem(await profiles.plan(self.ctx, self.profile.name), total, used)
+            planned = await profiles.plan(self.ctx, self.profile.name, slots=self.profile.slots)  # the host's slots
+            problem = card_problem(planned, total, used)
         if problem:
             raise PhaseFailed("start", problem)
 

@@ -64,6 +64,31 @@ async def card_need(ctx: Context, profile: Profile) -> CardNeed:
     return CardNeed(found.total_bytes(), found.file_bytes)
 
 
+# llama.cpp's LLAMA_MAX_SEQ: the most sequences (slots) a context holds
+MOST_SLOTS = 256
+
+
+def sized(profile: Profile, slots: int) -> Profile:
+    """The profile as one host runs it with `slots` slots: -np and -c set to them (a profile that does not fill
+    its card keeps its own)."""
+    if slots == profile.slots:
+        return profile
+    args = list(profile.args)
+    for flag, value in (("-np", slots), ("-c", slots * profile.ctx_per_slot)):
+        args[args.index(flag) + 1] = str(value)
+    return profile.model_copy(update={"slots": slots, "args": args})
+
+
+async def slots_for(ctx: Context, profile: Profile, card_mb: int) -> int:
+    """The slots a host of this profile gets on a card of `card_mb` MiB: the profile's, or with fill_card as
+    many as its plan fits there (at least the profile's, which the offer filter made sure of; at most its
+    max_slots and llama.cpp's 256)."""
+    if not profile.fill_card:
+        return profile.slots
+    fits = (await plan(ctx, profile.name)).max_slots(card_mb * MIB)
+    return max(profile.slots, min(fits, profile.max_slots or MOST_SLOTS, MOST_SLOTS))
+
+
 def hub_token(ctx: Context) -> str:
     return os.environ.get(ctx.settings.hub.token_env, "")
 

@@ -10,6 +10,7 @@ import time
 from fleet.context import Context
 from fleet.core.config import Profile
 from fleet.core.models import Host
+from fleet.host import profile as profiles
 from fleet.host.attempts import AttemptReport, end_attempt
 from fleet.host.bringup import BringUp
 from fleet.host.endpoints import publish
@@ -27,7 +28,7 @@ async def resume(ctx: Context, host: Host, profile: Profile, report: AttemptRepo
     try:
         async with ctx.waits.on("market"):
             await ctx.market.start(host.instance_id)
-        await BringUp(ctx, host, profile, None, resume=True).run()
+        await BringUp(ctx, host, profiles.sized(profile, host.slots), None, resume=True).run()  # its own slots
     except (PhaseFailed, MarketError) as e:
         phase, reason = (e.phase, e.reason) if isinstance(e, PhaseFailed) else ("boot", str(e))
         report.outcome, report.phase, report.reason = "failed", phase, reason
