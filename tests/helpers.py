@@ -134,10 +134,21 @@ def processes_mentioning(path: Path) -> list[int]:
     return found
 
 
-def host_processes(state_dir: Path, instance_id: int | str, token: str) -> list[int]:
-    """Every process of a local host still running: by its marker, or naming its directory (sshd)."""
+def host_processes(state_dir: Path, instance_id: int | str, token: str) -> list[str]:
+    """Every process of a local host still running, by its marker or naming its directory (sshd): each as
+    its PID, state and command line, so that a failing test says what was left."""
     directory = Path(state_dir) / "hosts" / str(instance_id)
-    return sorted(set(procs.pids_with_marker(token)) | set(processes_mentioning(Path(str(directory) + "/"))))
+    pids = sorted(set(procs.pids_with_marker(token)) | set(processes_mentioning(Path(str(directory) + "/"))))
+    return [d for d in map(_described, pids) if d is not None]
+
+
+def _described(pid: int) -> str | None:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None  # it exited meanwhile
+    return f"{pid} {state} {cmdline.strip()}"
 
 
 async def wait_health(client: httpx.AsyncClient, timeout_s: float = 10.0) -> None:

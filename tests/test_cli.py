@@ -162,7 +162,7 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
         [closed] = [h for h in answer["hosts"] if h["name"] == line["host"]]
         assert line["rent_usd"] + line["pull_usd"] == pytest.approx(closed["accrued_usd"])
     assert cloud.state()["instances"] == {}
-    assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
+    assert [p for i, t in tokens for p in host_processes(cloud.info.state_dir, i, t)] == []
     again = fleet(env, "destroy", "--all", "--yes")
     assert again.returncode == 0 and "nothing to destroy" in again.stdout
     assert json.loads(fleet(env, "status", "--json").stdout) == []

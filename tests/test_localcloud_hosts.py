@@ -6,6 +6,7 @@ import os
 import secrets
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import asyncssh
@@ -172,3 +173,30 @@ def test_a_host_gets_the_machines_ssh_keygen_and_openssl_where_the_system_path_h
     assert done.returncode == 0, done.stderr
     assert ran.read_text().split() == ["ssh-keygen", "openssl"]
     assert key.exists()
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_ending_a_host_waits_for_a_child_that_outlives_its_parent(tmp_path):
+    # The child takes its time to end on SIGTERM, and its parent dies at once: from then on it is below no
+    # root, and it carries no marker (as sshd's children do not), yet it is still one of the host's.
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "sh -c 'trap \"sleep 2; exit 0\" TERM; while :; do sleep 0.1; done' & "
+        f"echo $! > {shlex.quote(str(child_pid))}; wait"
+    )
+    parent = subprocess.Popen(["sh", "-c", script], env={"PATH": os.environ["PATH"]}, start_new_session=True)
+    while not child_pid.exists() or not child_pid.read_text().strip():
+        assert parent.poll() is None
+        time.sleep(0.01)
+    child = int(child_pid.read_text())
+    found = procs.end_host_processes(secrets.token_hex(8), [parent.pid])
+    assert found >= 2  # the parent, the child, and the sleep its trap started
+    assert not _running(child)
+    assert parent.poll() is not None

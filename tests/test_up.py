@@ -142,7 +142,7 @@ async def test_count_three_comes_up_concurrently_on_distinct_machines(cloud, tmp
         done = (await fleet.destroy(None)).done
         assert {h.state for h in done} == {HostState.DESTROYED}
     assert await live_instances(cloud) == []
-    assert all(host_processes(cloud.info.state_dir, i, t) == [] for i, t in tokens)
+    assert [p for i, t in tokens for p in host_processes(cloud.info.state_dir, i, t)] == []
 
 
 async def test_caps_refuse_a_create(cloud, tmp_path):

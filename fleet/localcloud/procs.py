@@ -34,19 +34,28 @@ def pids_with_marker(token: str) -> list[int]:
     return found
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses): state, ppid, ..."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def _parents() -> dict[int, int]:
     parents = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-        fields = stat[stat.rindex(")") + 2 :].split()
-        parents[int(entry.name)] = int(fields[1])
+        if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
+            parents[int(entry.name)] = int(fields[1])
     return parents
+
+
+def _identity(pid: int) -> str | None:
+    """The process's start time, which tells it from a later process given the same PID; None once it
+    has exited (a zombie included: a container's init may never reap it)."""
+    fields = _stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else fields[19]
 
 
 def descendants(roots: list[int]) -> list[int]:
@@ -77,17 +86,21 @@ def _signal_all(pids: list[int], sig: int) -> None:
 def end_host_processes(token: str, roots: list[int], grace_s: float = 3.0) -> int:
     """SIGTERM (then SIGKILL after `grace_s`) every process of the host; return how many were found.
 
-    Repeats until none is left, since a dying session can still fork.
+    Returns only once every process it found has exited: one that took the signal but has not yet run
+    to its end is still there, and once its parent died it is no longer below the roots, so each found
+    process stays followed (and its own children with it) until it is gone.
     """
-    total: set[int] = set()
+    seen: dict[int, str] = {}
     deadline = time.monotonic() + grace_s
     while True:
-        pids = [p for p in host_pids(token, roots) if p != os.getpid()]
-        if not pids:
-            return len(total)
-        total.update(pids)
-        _signal_all(pids, signal.SIGCONT)  # a throttled (stopped) process must run to die
-        _signal_all(pids, signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL)
+        alive = [pid for pid, start in seen.items() if _identity(pid) == start]
+        for pid in host_pids(token, [*roots, *alive]):
+            if pid != os.getpid() and pid not in alive and (start := _identity(pid)) is not None:
+                seen[pid], alive = start, [*alive, pid]
+        if not alive:
+            return len(seen)
+        _signal_all(alive, signal.SIGCONT)  # a throttled (stopped) process must run to die
+        _signal_all(alive, signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL)
         time.sleep(0.05)
         _reap()
 
