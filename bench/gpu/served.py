@@ -20,7 +20,7 @@ from fleet.control import gateway
 from fleet.core import config
 from fleet.core.tls import client_context, ensure_ca, sign_server
 from fleet.localcloud.llamaproc import llama_server
-from fleet.probes.bench import fit_call, levels_up_to, run_bench, run_level
+from fleet.probes.bench import LevelResult, fit_call, levels_up_to, run_bench, run_level
 from fleet.probes.call import load_call
 from fleet.probes.server import Server
 
@@ -30,8 +30,12 @@ WAVES = 3  # run_bench's own
 
 def levels(server: Server, most: int) -> list[dict[str, Any]]:
     """fleet's bench at 1, 2, 4 ... `most` callers on `server`: every level (no search), as dicts."""
-    found = asyncio.run(run_bench(server, load_call(), max_callers=most, max_tokens=MAX_TOKENS))
-    return [lv.as_dict() for lv in found]
+
+    async def measured() -> list[LevelResult]:
+        call, slots = await fit_call(server, load_call())
+        return await run_bench(server, call, slots, max_callers=most, max_tokens=MAX_TOKENS)
+
+    return [lv.as_dict() for lv in asyncio.run(measured())]
 
 
 def alone(binary: Path, model: Path, flags: list[str], most: int, tls: bool) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from fleet.host.remote import HostKeyMismatch, connect
 from fleet.host.teardown import blacklist_machine
 from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, fit_call, run_bench
-from fleet.probes.call import load_call
+from fleet.probes.call import Call, load_call
 from fleet.probes.conversation import CallsLevel, run_calls
 from fleet.probes.runner import PROBES, run_probes
 
@@ -163,16 +163,19 @@ async def bench(ctx: Context, name: str, options: BenchOptions) -> BenchReport:
     if options.load not in LOADS:
         raise ValueError(f"--load {options.load!r}: one of {', '.join(LOADS)}")
     earlier = ctx.record.latest_bench([host.id]).get(host.id)
-    levels: list[LevelResult] = []
+    if options.load == "calls" and earlier is None:
+        raise ValueError(f"{name}: no speaker capacity measured yet: bench its speakers first (--load both)")
+    server = ctx.server(host)
+    fitted = await fit_call(
+        server, load_call(), slots_started=host.slots, engine=profile.engine, ctx_per_slot=profile.ctx_per_slot
+    )
     kept = None
     if options.load != "calls":
-        levels, held, kept = await _speakers(ctx, host, profile, options, earlier)
-    elif earlier is None:
-        raise ValueError(f"{name}: no speaker capacity measured yet: bench its speakers first (--load both)")
+        levels, held, kept = await _speakers(ctx, host, profile, options, fitted, earlier)
     else:  # the calls alone: the speakers' levels and capacity stay the latest bench's
         levels = [LevelResult(**lv) for lv in json.loads(earlier.levels)]
         held = Capacity(earlier.capacity, target, earlier.capacity_at_least, None, None, None)
-    calls = await _calls(ctx, host, profile, options, held) if options.load != "speakers" else None
+    calls = await _calls(ctx, host, profile, options, fitted, held) if options.load != "speakers" else None
     cost = usd_per_voice_minute(host.effective_usd_per_hour, calls.capacity.callers if calls else held.callers)
     ctx.record.add(
         BenchRun(
@@ -196,22 +199,24 @@ async def bench(ctx: Context, name: str, options: BenchOptions) -> BenchReport:
 
 
 async def _speakers(
-    ctx: Context, host: Host, profile: Profile, options: BenchOptions, earlier: BenchRun | None
+    ctx: Context,
+    host: Host,
+    profile: Profile,
+    options: BenchOptions,
+    fitted: tuple[Call, int],
+    earlier: BenchRun | None,
 ) -> tuple[list[LevelResult], Capacity, int | None]:
     """The speaker levels: the most callers speaking in every wave at the target (within the host's slots),
     with an earlier bench's capacity kept where this one tried fewer."""
     target = profile.voice
     levels = await run_bench(
         ctx.server(host),
-        load_call(),
+        *fitted,
         max_callers=options.max_callers,
         waves=options.waves,
         warmup=options.warmup,
         max_tokens=options.max_tokens,
         search=lambda most: lambda measured: next_level(measured, target, most),
-        slots_started=host.slots,
-        engine=profile.engine,
-        ctx_per_slot=profile.ctx_per_slot,
     )
     held = capacity({lv.callers: lv for lv in levels}, target, options.max_callers or max(lv.callers for lv in levels))
     held = _within_slots(held, host.slots)
@@ -224,18 +229,17 @@ async def _speakers(
     return levels, held, kept
 
 
-async def _calls(ctx: Context, host: Host, profile: Profile, options: BenchOptions, speakers: Capacity) -> CallsReport:
+async def _calls(
+    ctx: Context, host: Host, profile: Profile, options: BenchOptions, fitted: tuple[Call, int], speakers: Capacity
+) -> CallsReport:
     """The conversation levels: the most calls in conversation at the target, each keeping its cache in a
     slot (so never more than the slots), and the calls the speaker capacity predicts at the duty measured."""
     target = profile.voice
     gap = profile.voice.turn_gap_s if options.gap_s is None else options.gap_s
-    server = ctx.server(host)
-    call, slots = await fit_call(
-        server, load_call(), slots_started=host.slots, engine=profile.engine, ctx_per_slot=profile.ctx_per_slot
-    )
+    call, slots = fitted
     most = min(options.max_calls or slots, host.slots)
     levels = await run_calls(
-        server,
+        ctx.server(host),
         call,
         choose=lambda measured: next_level(measured, target, most),
         turns=options.turns,

@@ -194,21 +194,18 @@ def sweep(most: int) -> Callable[[dict[int, LevelResult]], int | None]:
 async def run_bench(
     server: Server,
     call: Call,
+    slots: int,
     *,
     max_callers: int | None = None,
     waves: int = 3,
     warmup: int = 1,
     max_tokens: int = 32,
     search: Callable[[int], Callable[[dict[int, LevelResult]], int | None]] = sweep,
-    slots_started: int | None = None,
-    engine: str = "llama-server",
-    ctx_per_slot: int | None = None,
 ) -> list[LevelResult]:
     """Measure levels of concurrent callers in the order `search(most)` picks them (given what was
     measured so far) until it says None; the results in order of callers. One caller is measured first:
-    its decode rate is what the others' share is of. `slots_started`: the slots fleet started the server
-    with, the most callers tried unless `max_callers` asks for more."""
-    call, slots = await fit_call(server, call, slots_started=slots_started, engine=engine, ctx_per_slot=ctx_per_slot)
+    its decode rate is what the others' share is of. `call` and `slots` are what fit_call made of the
+    server: the slots are the most callers tried unless `max_callers` asks for more."""
     most = max_callers or slots
     choose = search(most)
     measured: dict[int, LevelResult] = {}
