@@ -353,6 +353,7 @@ def slots(only: list[str]) -> None:
             files = [a for key, path in paths.items() for a in ("--file", f"{key}={path}")]
             log(f"{name}: wrote the replicas of {', '.join(f.file for f in profile.files)}")
         for depth, layout in runs:
+            layout = os.environ.get("SLOT_LAYOUT", layout)  # `stream`: fleet's layout alone
             log(f"slots: {name} at depth {depth}, {layout}")
             argv = [sys.executable, str(REPO / "bench" / "slots.py"), "--profile", profile_name, "--model", str(model),
                     *files, "--binary", os.environ["FLEET_LLAMA_SERVER"], "--depth", str(depth), "--tokens", "128",
