@@ -6,11 +6,14 @@ killed and brought back, and nothing left running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -192,7 +195,7 @@ async def test_each_call_stays_on_its_host_for_twenty_turns_and_its_turns_are_wa
         talk("call-a", {"headers": {"X-Session-Id": "call-a"}}), talk("call-b", {"body": {"user": "call-b"}})
     )
     table = await Runtime(files_for(gw.settings).socket).table("calls_t0")
-    assert table["call-a"]["server_id"] != table["call-b"]["server_id"]  # one host each: the most free first
+    assert table["bob/call-a"]["server_id"] != table["bob/call-b"]["server_id"]  # one host each: the most free first
     after = await served_by_host(gw)
     assert sorted(after[h] - before.get(h, 0) for h in after) == [20, 20]  # every turn on its call's host
     for call, hits in cached.items():
@@ -454,6 +457,24 @@ async def test_haproxy_killed_is_started_again_by_fleet_with_its_keys_and_hosts(
         assert (await c.post(CHAT, json=turn("hi again"))).status_code == 200
 
 
+async def test_a_call_is_its_agents_another_agent_naming_its_id_makes_a_new_call(gw):
+    """Agent B naming A's call (header, body's user or prompt_cache_key) is never taken for a turn of A's call:
+    it is a new call of B's, admitted as one, pinned apart, and A's call goes on where it was."""
+    keys = {name: await gateway.add_key(gw, name) for name in ("olga", "trudy")}
+    await wait_hosts_up(gw)
+    runtime = Runtime(files_for(gw.settings).socket)
+    async with client(gw, keys["olga"]) as olga, client(gw, keys["trudy"]) as trudy:
+        assert (await olga.post(CHAT, json=turn("hello"), headers={"X-Session-Id": "olgas-call"})).status_code == 200
+        for how in ({"headers": {"X-Session-Id": "olgas-call"}}, {"body": {"user": "olgas-call"}}):
+            body = {**turn("hello"), **how.get("body", {})}
+            assert (await trudy.post(CHAT, json=body, headers=how.get("headers", {}))).status_code == 200
+        assert (await olga.post(CHAT, json=turn("again"), headers={"X-Session-Id": "olgas-call"})).status_code == 200
+    assert (await gateway.status(gw))["targets"][0]["calls"] == {"new": 2, "turn": 2}
+    table = await runtime.table("calls_t0")
+    assert {"olga/olgas-call", "trudy/olgas-call"} <= set(table)
+    assert "olgas-call" not in table
+
+
 async def test_a_draining_host_keeps_its_calls_and_takes_no_new_one(gw):
     key = await gateway.add_key(gw, "judy")
     await wait_hosts_up(gw)
@@ -462,8 +483,8 @@ async def test_a_draining_host_keeps_its_calls_and_takes_no_new_one(gw):
         for call in ("stays-a", "stays-b"):
             assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": call})).status_code == 200
         table = await runtime.table("calls_t0")
-        assert table["stays-a"]["server_key"] != table["stays-b"]["server_key"]
-        slot = int(table["stays-a"]["server_key"][1:])
+        assert table["judy/stays-a"]["server_key"] != table["judy/stays-b"]["server_key"]
+        slot = int(table["judy/stays-a"]["server_key"][1:])
         draining = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
         assert gw.record.transition(draining, HostState.DRAINING)
         try:
@@ -475,8 +496,8 @@ async def test_a_draining_host_keeps_its_calls_and_takes_no_new_one(gw):
                 again = await c.post(CHAT, json=turn("still here"), headers={"X-Session-Id": "stays-a"})
                 assert again.status_code == 200
             table = await runtime.table("calls_t0")
-            assert table["stays-a"]["server_key"] == f"s{slot}"  # its own calls go on on the draining host
-            assert all(table[f"while-draining-{i}"]["server_key"] != f"s{slot}" for i in range(6))
+            assert table["judy/stays-a"]["server_key"] == f"s{slot}"  # its own calls go on on the draining host
+            assert all(table[f"judy/while-draining-{i}"]["server_key"] != f"s{slot}" for i in range(6))
             status = {h["slot"]: h["status"] for h in (await gateway.status(gw))["targets"][0]["hosts"]}
             assert status[slot].startswith("DRAIN")
         finally:
@@ -501,6 +522,70 @@ async def test_a_host_whose_certificate_names_another_host_is_refused(gw):
         assert refused.status_code == 503
         await gateway.apply(gw)  # the record's names again
         assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": "named"})).status_code == 200
+
+
+def unix_listeners(pid: int) -> list[str]:
+    """The Unix sockets the process listens on, as /proc/net/unix names them ('@name' for an abstract one)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(fd)).startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        # Flags 00010000: accepting connections; the path is the 8th field when the socket has one
+        if len(fields) >= 8 and fields[6] in inodes and int(fields[3], 16) & 0x10000:
+            found.append(fields[7])
+    return found
+
+
+REACH_AS_ANOTHER_USER = """
+import json, socket, sys
+reached = {}
+for name in sys.argv[1:]:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            # /proc/net/unix writes an abstract name's NUL bytes (its first, and any padding) as '@'
+            s.connect(name.replace("@", "\\0") if name.startswith("@") else name)
+            reached[name] = True
+        except OSError:
+            reached[name] = False
+print(json.dumps(reached))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's attempt needs root to become that user")
+async def test_no_other_user_reaches_the_gateways_internal_doors(two_hosts, module_dir):
+    """Every Unix socket HAProxy listens on (the admin socket, each slot's door to its host) refuses another
+    uid, with every folder above the gateway's open to it: a door it reached would carry its requests to a
+    host with the host's key, past the agent key check, the body limit and admission."""
+    open_dir = Path(tempfile.mkdtemp(prefix="fleet-gw-"))
+    try:
+        open_dir.chmod(0o755)
+        control = socket.socket(socket.AF_UNIX)
+        control.bind(str(open_dir / "control.sock"))
+        control.listen()
+        (open_dir / "control.sock").chmod(0o777)
+        settings = gateway_settings(module_dir, "doors", directory=str(open_dir / "gateway"))
+        async with fleet_for(settings) as fleet:
+            try:
+                await gateway.start(fleet)
+                await wait_hosts_up(fleet)
+                pid = process.running_pid(files_for(settings))
+                assert pid is not None
+                doors = unix_listeners(pid)
+                assert len(doors) == 1 + settings.gateway.slots  # the admin socket and a door per slot
+                argv = ["/usr/bin/python3", "-c", REACH_AS_ANOTHER_USER, str(open_dir / "control.sock"), *doors]
+                found = subprocess.run(argv, user="nobody", cwd="/", capture_output=True, text=True, timeout=30)
+                reached = json.loads(found.stdout)
+                assert reached.pop(str(open_dir / "control.sock")) is True  # that user reaches an open socket
+                assert reached == dict.fromkeys(doors, False)
+            finally:
+                await gateway.stop(fleet)
+        control.close()
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)
 
 
 async def test_a_capacity_measured_sets_the_hosts_limit_and_the_daemon_exports_it(gw):
@@ -577,19 +662,19 @@ async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_a
     runtime = Runtime(files_for(gw.settings).socket)
     async with client(gw, key) as c:
         assert (await c.post(CHAT, json=turn("first turn"), headers={"X-Session-Id": "pinned"})).status_code == 200
-        pinned = (await runtime.table("calls_t0"))["pinned"]["server_key"]
+        pinned = (await runtime.table("calls_t0"))["heidi/pinned"]["server_key"]
         slot = int(pinned[1:])
         host = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
         await kill_llama_server(host.ssh_host, host.ssh_port, module_dir / "ssh" / "id_ed25519")
         # at once, before any health check could see it: the turn is retried on the other host
         second = await c.post(CHAT, json=turn("second turn"), headers={"X-Session-Id": "pinned"})
         assert second.status_code == 200, second.text
-        assert (await runtime.table("calls_t0"))["pinned"]["server_key"] != pinned
+        assert (await runtime.table("calls_t0"))["heidi/pinned"]["server_key"] != pinned
         # and a new call is never placed on the dead host
         for i in range(5):
             assert (await c.post(CHAT, json=turn("new"), headers={"X-Session-Id": f"after-{i}"})).status_code == 200
         table = await runtime.table("calls_t0")
-        assert all(table[f"after-{i}"]["server_key"] != pinned for i in range(5))
+        assert all(table[f"heidi/after-{i}"]["server_key"] != pinned for i in range(5))
 
 
 async def test_a_host_that_dies_mid_stream_ends_the_stream_with_an_error_the_client_sees(cloud, gw, module_dir):
@@ -601,7 +686,7 @@ async def test_a_host_that_dies_mid_stream_ends_the_stream_with_an_error_the_cli
         async with client(gw, key, timeout=60) as c:
             stream = Stream(c, "dying")
             await stream.first.wait()
-            slot = int((await Runtime(files_for(gw.settings).socket).table("calls_t0"))["dying"]["server_key"][1:])
+            slot = int((await Runtime(files_for(gw.settings).socket).table("calls_t0"))["ivan/dying"]["server_key"][1:])
             host = next(h for h in live if h.gateway_slot == slot)
             await kill_llama_server(host.ssh_host, host.ssh_port, module_dir / "ssh" / "id_ed25519")
             with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):

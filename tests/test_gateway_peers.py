@@ -56,6 +56,7 @@ async def test_two_gateways_on_one_record_agree_on_every_calls_host(cloud, local
             table_a = Runtime(files_for(settings_a).socket)
             table_b = Runtime(files_for(settings_b).socket)
             calls = [f"call-{i}" for i in range(6)]
+            keys = {c: f"agent/{c}" for c in calls}  # the stick table's key: the call is its agent's
             clients = {
                 n: httpx.AsyncClient(
                     base_url=f"https://localhost:{ports[n]}", verify=a.tls, headers={"Authorization": f"Bearer {key}"}
@@ -67,22 +68,28 @@ async def test_two_gateways_on_one_record_agree_on_every_calls_host(cloud, local
                     reply = await clients["a"].post(CHAT, json=first_turn(call), headers={"X-Session-Id": call})
                     assert reply.status_code == 200
                 placed = await table_a.table("calls_t0")
-                assert {placed[c]["server_key"] for c in calls} == {"s0", "s1"}
+                assert {placed[keys[c]]["server_key"] for c in calls} == {"s0", "s1"}
                 for _ in range(200):  # the peers carry a's table to b
                     seen = await table_b.table("calls_t0")
-                    if all(c in seen for c in calls):
+                    if all(keys[c] in seen for c in calls):
                         break
                     await asyncio.sleep(0.05)
-                assert {c: seen[c]["server_key"] for c in calls} == {c: placed[c]["server_key"] for c in calls}
+                assert {c: seen[keys[c]]["server_key"] for c in calls} == {
+                    c: placed[keys[c]]["server_key"] for c in calls
+                }
                 before = await served_by_host(b)
                 for call in calls:  # every later turn reaches b: the same host
                     reply = await clients["b"].post(CHAT, json=first_turn(call), headers={"X-Session-Id": call})
                     assert reply.status_code == 200
                 after_b = await table_b.table("calls_t0")
-                assert {c: after_b[c]["server_key"] for c in calls} == {c: placed[c]["server_key"] for c in calls}
+                assert {c: after_b[keys[c]]["server_key"] for c in calls} == {
+                    c: placed[keys[c]]["server_key"] for c in calls
+                }
                 moved = await served_by_host(b)
                 per_slot = {h["slot"]: h["served"] for h in (await gateway.status(b))["targets"][0]["hosts"]}
-                expected = {int(s[1:]): sum(1 for c in calls if placed[c]["server_key"] == s) for s in ("s0", "s1")}
+                expected = {
+                    int(s[1:]): sum(1 for c in calls if placed[keys[c]]["server_key"] == s) for s in ("s0", "s1")
+                }
                 assert sum(moved.values()) - sum(before.values()) == len(calls)
                 assert {slot: per_slot[slot] for slot in expected} == expected
             finally:

@@ -1,5 +1,6 @@
 """Where a gateway instance keeps its files (one folder, private): HAProxy's configuration, pid file and
-admin socket, the endpoints' certificate, the maps it reads keys from, the /v1/models answers."""
+admin socket, the slots' internal doors, the endpoints' certificate, the maps it reads keys from, the
+/v1/models answers."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ class GatewayFiles:
         return runtime_dir() / f"gateway-{self.tag}.sock"
 
     @property
+    def doors(self) -> Path:
+        """The folder of the slots' internal doors (a Unix socket each, mode 600, that only this user's HAProxy
+        reaches): beside the rest, unless a door's path would not fit a Unix socket; then a private folder
+        of this user's under the runtime directory. Never an abstract socket: those have no permissions."""
+        beside = self.directory / "doors"
+        if len(str(beside / "t99-9999.sock").encode()) <= SOCKET_PATH_MAX:
+            return beside
+        return runtime_dir() / f"gateway-{self.tag}"
+
+    def door(self, target_index: int, slot: int) -> Path:
+        return self.doors / f"t{target_index}-{slot}.sock"
+
+    @property
     def pem(self) -> Path:
         return self.directory / "endpoint.pem"  # certificate chain and key, as HAProxy reads them
 
@@ -93,10 +107,14 @@ def runtime_dir() -> Path:
     folder = Path(base) / "fleet" if base else Path(tempfile.gettempdir()) / f"fleet-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700, parents=bool(base))
+    _check_private(folder)
+    return folder
+
+
+def _check_private(folder: Path) -> None:
     info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ConfigError(f"{folder}: not a private folder of this user's (mode 0700): the gateway's socket goes there")
-    return folder
+        raise ConfigError(f"{folder}: not a private folder of this user's (mode 0700): the gateway's sockets go there")
 
 
 def files_for(settings: Settings) -> GatewayFiles:
@@ -109,6 +127,9 @@ def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -
     maps' empty files."""
     files.directory.mkdir(parents=True, exist_ok=True)
     files.directory.chmod(0o700)
+    with contextlib.suppress(FileExistsError):
+        files.doors.mkdir(mode=0o700)
+    _check_private(files.doors)
     for lua in (files.lua, files.observe_lua):
         write_public(lua, resources.files("fleet.gateway").joinpath(lua.name).read_bytes())
     for map_file in (files.agent_map, files.host_map, files.name_map, files.calls_map):

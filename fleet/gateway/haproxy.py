@@ -3,14 +3,17 @@ run time (sync.py), never by a reload.
 
 Per [[serve]] target:
   frontend agents_tN    the agents' HTTPS endpoint: /v1/models answered here, /v1/chat/completions checked
-                        (agent key, body), named (X-Session-Id, else the body's user or prompt_cache_key)
-                        and admitted (admission.lua): a turn of a call goes on, a new call needs a free place
+                        (agent key, body), named (the agent's name, then X-Session-Id, else the body's user or
+                        prompt_cache_key: a call is its agent's) and admitted (admission.lua): a turn of a
+                        call goes on, a new call needs a free place
   backend calls_tN      one server per slot, each the internal door of one host_tN_S section: least
                         connections, a stick table from call to server (shared with peers), a retry before
                         the first byte on another server, a health check through the door every second,
                         and what the agents feel per host (observe.lua: first content, warm turns' cache)
-  listen host_tN_S      one host: its key set on the request (from a map that lives in HAProxy's memory
-                        alone), TLS to it verified against fleet's CA and its name, connections kept warm
+  listen host_tN_S      one host, behind its slot's internal door (a Unix socket of mode 600 in a private
+                        folder: no other user reaches it): its key set on the request (from a map that lives
+                        in HAProxy's memory alone), TLS to it verified against fleet's CA and its name,
+                        connections kept warm
   backend overflow_tN   the hosted API a full target's new calls go to, if one is configured
 A request HAProxy answers itself (refused, /v1/models) never touches a host.
 """
@@ -103,6 +106,9 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         "  http-request set-var(txn.call) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.user') if !{ var(txn.call) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.prompt_cache_key') if !{ var(txn.call) -m found }",
+        # a call is its agent's: another agent naming the same id makes a call of its own (an agent's name
+        # holds no '/', so the key is read one way)
+        "  http-request set-var(txn.call) var(txn.agent),concat(/,txn.call) if { var(txn.call) -m found }",
         f"  http-request set-var(txn.admit) lua.fleet_admit({target.backend})",
         f"  http-request track-sc1 var(txn.admit) table counts_{t}",
         *(
@@ -123,7 +129,6 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
 
 def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: str) -> list[str]:
     g = settings.gateway
-    t = f"t{target.index}"
     check = f"check inter {int(g.check_every_s * 1000)}ms fall 2 rise 2"
     lines = [
         f"backend {target.backend}",
@@ -139,7 +144,10 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         "  option httpchk GET /health",
         "  http-check expect status 200",
         "  http-request del-header authorization",  # the agent's key stays here; a host gets its own
-        *(f"  server s{slot} abns@fleet-{files.tag}-{t}-{slot} disabled maxconn 1 {check}" for slot in range(g.slots)),
+        *(
+            f"  server s{slot} unix@{files.door(target.index, slot)} disabled maxconn 1 {check}"
+            for slot in range(g.slots)
+        ),
         "",
     ]
     # HAProxy 2.6 keeps no idle connection to a server added at run time: each slot's server is written here,
@@ -148,7 +156,7 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
     for slot in range(g.slots):
         lines += [
             f"listen {target.slot_section(slot)}",
-            f"  bind abns@fleet-{files.tag}-{t}-{slot}",
+            f"  bind unix@{files.door(target.index, slot)} mode 600",
             "  http-reuse always",
             f'  http-request set-header authorization "Bearer %[fe_name,map({files.host_map})]"',
             f"  server host 127.0.0.1:1 disabled ssl verify required ca-file {ca_file}"

@@ -110,6 +110,7 @@ async def stop(files: GatewayFiles, grace_s: float = 0.0) -> int | None:
         await asyncio.sleep(0.05)
     files.pidfile.unlink(missing_ok=True)
     files.socket.unlink(missing_ok=True)
+    shutil.rmtree(files.doors, ignore_errors=True)
     return pid
 
 
