@@ -5,6 +5,7 @@ operator's terminal, and what a host serves hands no transcript to anyone."""
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import ipaddress
 import json
 import os
@@ -15,9 +16,11 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urljoin
 
 import httpx
 import pytest
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -35,13 +38,14 @@ from fleet.host import addresses, hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import connect, run
 from fleet.localcloud import tinymodels
+from fleet.localcloud.hosts import HOST_SCRIPTS
 from fleet.localcloud.hub import TINY_REPO
 from fleet.localcloud.llamaproc import llama_server as run_llama_server
 from fleet.probes.server import Server
 from fleet.probes.stream import Connection, StreamError
 from tests import dripper
 from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for, with_variant
-from tests.helpers import listed_instances
+from tests.helpers import http_server, listed_instances
 
 
 @pytest.fixture(autouse=True)
@@ -407,6 +411,56 @@ async def test_a_host_that_answers_ssh_with_another_key_at_first_contact_is_refu
         cloud.set_faults({})
 
 
+async def test_the_hub_may_send_a_host_to_itself_or_its_cdn_over_https_alone():
+    sent: dict[str, str] = {}
+
+    async def resolve(request: web.Request) -> web.Response:
+        headers = {"X-Linked-Etag": f'"{"0" * 64}"', "X-Linked-Size": "1", "Location": sent["to"]}
+        return web.Response(status=302, headers=headers)
+
+    async with http_server({"/org/repo/resolve/main/model.gguf": resolve}) as hub:
+        url = f"{hub}/org/repo/resolve/main/model.gguf"
+        for to in ("https://169.254.169.254/latest", "http://cdn-lfs.hf.co/x", "https://evil.example/hf.co/x",
+                   "https://hf.co.evil.example/x", "ftp://cdn-lfs.hf.co/x", "file:///etc/shadow"):  # fmt: skip
+            sent["to"] = to
+            with pytest.raises(PhaseFailed, match="the hub sent") as refused:
+                await hubfile.resolve(url, "")
+            assert refused.value.retry is False, to
+        for to in (
+            "/cdn/org/repo/model.gguf?Signature=x",
+            "https://cdn-lfs-us-1.hf.co/x",
+            "https://cas-bridge.xethub.hf.co/x",
+        ):
+            sent["to"] = to
+            assert (await hubfile.resolve(url, "")).download_url == urljoin(url, to)
+
+
+async def test_fleet_pull_takes_a_metalink_for_the_file_itself_and_fetches_nothing_it_names(tmp_path):
+    payload = os.urandom(4096)
+    fetched: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        fetched.append(request.path)
+        return web.Response(body=payload)
+
+    async def metalink(request: web.Request) -> web.Response:
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?><metalink xmlns="urn:ietf:params:xml:ns:metalink">'
+            f'<file name="model.gguf"><url>{request.url.with_path("/elsewhere.bin")}</url></file></metalink>'
+        )
+        return web.Response(body=body.encode(), content_type="application/metalink4+xml")
+
+    async with http_server({"/model.meta4": metalink, "/elsewhere.bin": elsewhere}) as base:
+        want = hashlib.sha256(payload).hexdigest()
+        argv = [str(HOST_SCRIPTS / "fleet-pull"), f"{base}/model.meta4", want, str(tmp_path / "model.gguf"), "1"]
+        pulled = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await pulled.communicate()
+    assert pulled.returncode == 3 and b"sha256 mismatch" in err  # the metalink document itself, not the payload
+    assert fetched == []
+
+
 def test_an_address_fleet_would_connect_to_must_be_global():
     refused = ["10.0.0.5", "192.168.1.20", "169.254.169.254", "0.0.0.0", "::1", "fd00::1", "127.0.0.1", "x;rm -rf /"]
     for address in refused:
@@ -414,6 +468,11 @@ def test_an_address_fleet_would_connect_to_must_be_global():
     assert addresses.refusal("127.0.0.1", loopback_ok=True) is None  # the local cloud's hosts, on this machine
     assert addresses.refusal("10.0.0.5", loopback_ok=True) is not None  # never a private network
     assert addresses.refusal("8.8.8.8", loopback_ok=False) is None
+    assert addresses.refusal("2606:4700::1111", loopback_ok=False) is None
+    # global by the standard library's reckoning, each reaching another (maybe private) address, or no host
+    for address in ("64:ff9b::a00:5", "64:ff9b:1::a00:5", "2002:a00:5::1", "::10.0.0.5", "::ffff:10.0.0.5",
+                    "192.0.0.9", "192.0.0.200"):  # fmt: skip
+        assert addresses.refusal(address, loopback_ok=True) is not None, address
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False) is not None  # no name where an IP belongs
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False, names_ok=True) is None  # the SSH gateway
     assert addresses.refusal("ssh5.vast.ai;reboot", loopback_ok=False, names_ok=True) is not None
@@ -423,7 +482,13 @@ def test_a_database_off_this_machine_is_reached_only_with_its_certificate_verifi
     env = cli_env(cloud, tmp_path)
     password = "hunter2-" + os.urandom(8).hex()
     remote = f"postgresql+psycopg://fleet:{password}@db.example.com:5432/fleet"
-    for url in (remote, remote + "?sslmode=require", "postgresql+psycopg://fleet@/fleet?host=10.0.0.5&sslmode=prefer"):
+    lying = (
+        "postgresql+psycopg://fleet@localhost/fleet?hostaddr=203.0.113.5",  # libpq connects to the hostaddr
+        "postgresql+psycopg://fleet@/fleet?host=/run/postgresql,db.example.com",  # the second of a list
+        "postgresql+psycopg://fleet@127.0.0.1:5432,db.example.com:5432/fleet",
+    )
+    for url in (remote, remote + "?sslmode=require", "postgresql+psycopg://fleet@/fleet?host=10.0.0.5&sslmode=prefer",
+                *lying):  # fmt: skip
         for args in (("status",), ("status", "--json")):
             result = subprocess.run(
                 [sys.executable, "-m", "fleet.cli", *args],
@@ -451,6 +516,7 @@ def test_a_database_off_this_machine_is_reached_only_with_its_certificate_verifi
         "postgresql+psycopg://fleet@/fleet?host=/run/postgresql",
         "postgresql+psycopg://fleet@127.0.0.1:5432/fleet",
         "postgresql+psycopg://fleet@localhost/fleet",
+        "postgresql+psycopg://fleet@db.example.com/fleet?hostaddr=127.0.0.1",  # a name, reached on loopback
         remote + "?sslmode=verify-full&sslrootcert=/etc/fleet/db-ca.pem",
     ):
         assert verified_database_url(fine) == fine

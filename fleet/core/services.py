@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -103,15 +103,26 @@ def verified_database_url(url: str) -> str:
     parts = urlsplit(url)
     if not parts.scheme.startswith("postgresql"):
         raise ValueError("must be a postgresql:// URL (SQLite is set with path)")
+    remote = [h for h in _libpq_targets(parts) if not (h.startswith("/") or h == "localhost" or _loopback(h))]
     query = parse_qs(parts.query)
-    hosts = [h for h in query.get("host", []) if h] or ([parts.hostname] if parts.hostname else [])
-    remote = [h for h in hosts if not (h.startswith("/") or h == "localhost" or _loopback(h))]
     if remote and query.get("sslmode") != ["verify-full"]:
         raise ValueError(
             f"PostgreSQL at {remote[0][:100]} is off this machine: add sslmode=verify-full to the URL "
             "(with sslrootcert= for a private CA), so that the server's certificate is checked"
         )
     return url
+
+
+def _libpq_targets(parts: SplitResult) -> list[str]:
+    """Where libpq will connect: each `hostaddr` when given (the `host` then only names the server for its
+    certificate), else each `host` of the query, else the URL's hosts; a list in any of them is comma-separated."""
+    query = parse_qs(parts.query)
+    for key in ("hostaddr", "host"):
+        found = [h.strip() for value in query.get(key, []) for h in value.split(",") if h.strip()]
+        if found:
+            return found
+    netloc = parts.netloc.rpartition("@")[2]
+    return [h[1 : h.index("]")] if h.startswith("[") else h.partition(":")[0] for h in netloc.split(",") if h]
 
 
 def _loopback(host: str) -> bool:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 
 from fleet.host.phase import PhaseFailed
 
 _REDIRECTS = (301, 302, 303, 307, 308)
+# Where Hugging Face's resolve URLs send a download: its own hosts and its CDNs (LFS and Xet), by domain.
+HUB_CDN_DOMAINS = ("huggingface.co", "hf.co")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ async def resolve(url: str, hf_token: str, timeout_s: float = 30.0, pinned_sha25
         )
     if r.status_code in _REDIRECTS and r.headers.get("Location"):
         download_url = urljoin(url, r.headers["Location"])
+        why = redirect_refusal(url, download_url)
+        if why:
+            raise PhaseFailed("pull", f"the hub sent {url} {why}", blacklist=False, retry=False)
     elif gated:
         raise PhaseFailed(
             "pull",
@@ -69,3 +74,19 @@ async def resolve(url: str, hf_token: str, timeout_s: float = 30.0, pinned_sha25
     else:
         download_url = url
     return HubFile(url, sha256, int(size), download_url)
+
+
+def redirect_refusal(url: str, target: str) -> str | None:
+    """Why a host must not be sent to `target`, where the hub's `url` redirected; None when it may. A host pulls
+    over https from the hub itself or its CDN alone: another place could be anything the answer names (a
+    metadata service, another host), and plain http any network in the middle. The hub's own origin, as it was
+    reached, stays allowed (the local cloud's hub serves its CDN itself, over loopback)."""
+    hub, to = urlsplit(url), urlsplit(target)
+    host = (to.hostname or "").lower()
+    if (to.scheme, to.netloc) == (hub.scheme, hub.netloc):
+        return None
+    if to.scheme != "https":
+        return f"to a {to.scheme or 'relative'}:// URL: a download goes over https alone"
+    if host != (hub.hostname or "").lower() and not any(host == d or host.endswith("." + d) for d in HUB_CDN_DOMAINS):
+        return f"to {host[:80]!r}, which is neither the hub nor its CDN"
+    return None
