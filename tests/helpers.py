@@ -187,13 +187,19 @@ def sag_soon(cloud: Any, instance_id: int, delay_s: float = 1.5, ramp_s: float =
 async def sag_after_first_reply(cloud: Any, fleet: Any, host: Any, *, ramp_s: float = 0.5, share: float = 0.8) -> None:
     """Make a host's decode sag (as a hot card) once it has finished a reply after this call: a probe started
     beside this has its cold sample in, however slowly a busy machine took it. Run it as a task beside the
-    probe; it returns once the sag is set."""
+    probe and hand it to `sag_was_set` once the probe is done; it returns once the sag is set."""
     import re
 
-    async with fleet.server(host).client(timeout=10) as client:
+    async with fleet.server(host).client(timeout=30) as client:
 
         async def predicted() -> float:
-            text = (await client.get("/metrics")).text
+            # a busy host may keep /metrics waiting past a deadline: ask again, never give up silently
+            while True:
+                try:
+                    text = (await client.get("/metrics")).raise_for_status().text
+                    break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.05)
             found = re.search(r"^llamacpp:tokens_predicted_total (\S+)$", text, re.M)
             assert found, "llama-server's /metrics has no tokens_predicted_total"
             return float(found.group(1))
@@ -202,3 +208,13 @@ async def sag_after_first_reply(cloud: Any, fleet: Any, host: Any, *, ramp_s: fl
         while await predicted() <= before:
             await asyncio.sleep(0.05)
     sag_soon(cloud, host.instance_id, delay_s=0.0, ramp_s=ramp_s, share=share)
+
+
+def sag_was_set(task: asyncio.Task) -> None:
+    """The task of `sag_after_first_reply`, once the probe beside it is done: the sag must have been set while
+    the probe ran (a probe that never met the sag says nothing about one; in CI a task that died on a timeout
+    once let a hot card's probe pass unseen)."""
+    if not task.done():
+        task.cancel()
+        raise AssertionError("the probe ended before its host finished a reply: the sag was never set")
+    task.result()  # its own error, if it failed

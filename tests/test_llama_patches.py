@@ -62,7 +62,7 @@ def test_the_patch_set_applies_to_the_pinned_source_and_a_stale_one_fails_loudly
     assert applied.returncode == 0, applied.stderr
     patched = (tmp_path / "src" / "tools" / "server" / "server-http.cpp").read_text()
     assert "return true;" in patched and "srv->set_keep_alive_timeout(60);" in patched
-    assert "build_attn_mha_runs" in (tmp_path / "src" / "src" / "llama-graph.cpp").read_text()
+    assert "build_attn_mha_kv" in (tmp_path / "src" / "src" / "llama-graph.cpp").read_text()
     again = subprocess.run([str(IMAGE / "apply-patches"), str(tmp_path / "src")], capture_output=True, text=True)
     assert again.returncode != 0  # a tree that does not match the patch is never built
 

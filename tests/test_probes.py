@@ -16,7 +16,7 @@ from fleet.economics.capacity import judge_level
 from fleet.engines.metrics import requests_in_flight
 from fleet.probes.template import TemplateError, bundled
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
-from tests.helpers import sag_after_first_reply
+from tests.helpers import sag_after_first_reply, sag_was_set
 
 SWA_TRAP = "tiny-gemma2-swa16.gguf"
 REWRITING = "tiny-llama-rewriting-template.gguf"
@@ -111,6 +111,7 @@ async def test_thermal_fails_on_a_host_whose_decode_sags(cloud, tmp_path):
         sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, host))  # the card heats up after
         try:  # the probe's cold sample, however long that takes
             [thermal] = await fleet.probe(host.name, only=["thermal"])
+            sag_was_set(sagging)
         finally:
             sagging.cancel()
             await fleet.destroy(None)
@@ -149,14 +150,13 @@ async def test_thermal_keeps_the_load_on_while_it_measures(tmp_path):
             await fleet.destroy(None)
     assert thermal.metrics["load"]["ok"] > 0 and len(thermal.metrics["decode_rates"]) >= 3
     assert len(busy) > 20
-    # the three load callers, whatever the measuring one does: each is briefly between two requests now and
-    # then, but the load never pauses while the probe measures. What tells the two apart is how long a dip
-    # lasts: a probe that paused its load for each measurement showed runs of dozens of polls below three
-    # (and a third of them loaded); this one, a few polls at most. How many polls see all three moves with the
-    # machine's load (0.47-0.9 seen, the lower with a hogged core and three test workers): a floor alone.
+    # The load never pauses while the probe measures: a probe that paused it for each measurement never had the
+    # three load callers and its measuring caller in flight at once (1 while it measured, 3 between), and had
+    # the load in full a third of the time. Each load caller is briefly between two requests now and then, for
+    # longer on a busy machine, so the polls that see all of it are counted, not timed.
     loaded = sum(1 for n in busy if n >= 3) / len(busy)
-    longest_dip = max((len(run) for run in "".join("x" if n < 3 else " " for n in busy).split()), default=0)
-    assert longest_dip <= 5 and loaded > 0.4, (loaded, longest_dip, busy)
+    together = sum(1 for n in busy if n >= 4)
+    assert together >= 3 and loaded > 0.4, (together, loaded, busy)
 
 
 async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):

@@ -14,7 +14,7 @@ from fleet.control import rotation
 from fleet.control.up import UpRequest
 from fleet.core.models import Host, HostState, utcnow
 from tests.fleetkit import fleet_for, settings_for
-from tests.helpers import kill_llama_server, listed_instances, sag_after_first_reply
+from tests.helpers import kill_llama_server, listed_instances, sag_after_first_reply, sag_was_set
 
 
 @pytest.fixture(autouse=True)
@@ -257,7 +257,7 @@ async def test_a_host_failing_its_thermal_reprobe_is_replaced_and_blacklisted(cl
         machine = hot.machine_id
         sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, hot))  # once the cold sample is in
         [report] = await rotation.thermal_sweep(fleet)
-        sagging.cancel()
+        sag_was_set(sagging)
         assert not report.healthy and "decode share fell" in report.reason and report.replaced_by
         assert fleet.record.hosts(names=[hot.name])[0].state == HostState.DESTROYED
         assert [b.machine_id for b in fleet.record.blacklist()] == [machine]

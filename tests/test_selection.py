@@ -11,7 +11,7 @@ from fleet.economics.machines import MachineRecord
 from fleet.economics.offers import effective_price_per_hour
 from fleet.economics.selection import expect, rank
 from tests.fleetkit import fleet_for, ranked_offers, settings_for
-from tests.helpers import sag_after_first_reply, sag_soon
+from tests.helpers import sag_after_first_reply, sag_soon, sag_was_set
 from tests.test_offers import PROFILE, offer
 
 
@@ -112,7 +112,7 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             cloud.set_faults({})  # the card cools, then heats up again once the probe has its cold sample
             sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, slowed))
             [thermal] = await fleet.probe(slowed.name, only=["thermal"])
-            sagging.cancel()
+            sag_was_set(sagging)
             after = fleet.rank(tiny, pair)
             remembered = {m.machine_id: m for m in fleet.machines()}
         finally:
