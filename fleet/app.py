@@ -103,5 +103,5 @@ class Fleet(Context):
 async def open_fleet(settings: Any, reporter: Reporter | None = None) -> AsyncIterator[Fleet]:
     """A Fleet for these settings (fleet.toml's), closed with everything it opened."""
     async with open_context(settings, reporter, Fleet) as opened:
-        opened.on_hosts_changed.append(fleet.control.gateway.apply)  # this machine's gateway follows every change
+        fleet.control.gateway.hang(opened)
         yield opened

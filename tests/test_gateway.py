@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -227,13 +229,13 @@ async def chunks(count: int) -> AsyncIterator[bytes]:
         yield b"x" * 65536
 
 
-async def refused_early(request: Any) -> int:
-    """A body refused while it is still being sent: the 413, or (HAProxy answers and closes at once, and a
-    busy client may still be writing) the connection closed under the upload; 413 either way."""
+async def refused_early(request: Any, status: int = 413) -> int:
+    """A body refused while it is still being sent: the `status`, or (HAProxy answers and closes at once, and a
+    busy client may still be writing) the connection closed under the upload; `status` either way."""
     try:
         return (await request).status_code
     except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
-        return 413
+        return status
 
 
 async def status_of(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> int:
@@ -255,16 +257,132 @@ async def test_bad_requests_are_refused_without_touching_a_host(gw):
             ).status_code,
             "no messages": (await c.post(CHAT, json={"model": "tiny"})).status_code,
             "huge": await refused_early(c.post(CHAT, content=b"x" * (limit + 1))),
-            "huge, chunked": await refused_early(c.post(CHAT, content=chunks(limit // 65536 + 2))),
+            "chunked": await refused_early(c.post(CHAT, content=chunks(1)), 411),
+            "huge, chunked": await refused_early(c.post(CHAT, content=chunks(limit // 65536 + 2)), 411),
             "other path": (await c.get("/slots")).status_code,
             "props": (await c.get("/props")).status_code,
             "models by POST": (await c.post("/v1/models", json={})).status_code,
         }
     assert cases == {
-        "no key": 401, "wrong key": 401, "not json": 400, "no messages": 400, "huge": 413,
-        "huge, chunked": 413, "other path": 404, "props": 404, "models by POST": 405,
+        "no key": 401, "wrong key": 401, "not json": 400, "no messages": 400, "huge": 413, "chunked": 411,
+        "huge, chunked": 411, "other path": 404, "props": 404, "models by POST": 405,
     }  # fmt: skip
+    # A chunked body behind 80 KB of headers, sent as a client streams it: HAProxy judged such a body by the part
+    # its buffer held, which the headers kept under the limit, and 1 MiB went on to a host.
+    said = await asyncio.to_thread(padded_chunked_upload, gw, key, 1 << 20)
+    assert said in ("411", "closed"), said
     assert await served_by_host(gw) == before
+
+
+def padded_chunked_upload(fleet: Fleet, key: str, size: int) -> str:
+    """A chat request of `size` bytes in 64 KiB chunks behind 80 KB of padding headers, over a raw TLS socket
+    (headers first, then the chunks, as an uploading client sends them): the status the gateway answered, or
+    "closed" when it closed the connection before its answer could be read."""
+    port = fleet.settings.serve[0].port or fleet.settings.gateway.port
+    head = b'{"messages":[{"role":"user","content":"hi"}],"pad":"'
+    body = head + b"a" * (size - len(head) - 2) + b'"}'
+    padding = "".join(f"x-pad-{i}: {'a' * 4000}\r\n" for i in range(20))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=30) as tcp,
+        fleet.tls.wrap_socket(tcp, server_hostname="localhost") as tls,
+    ):
+        try:
+            tls.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {key}\r\n"
+                f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n{padding}\r\n".encode()
+            )
+            for i in range(0, len(body), 65536):
+                part = body[i : i + 65536]
+                tls.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+            tls.sendall(b"0\r\n\r\n")
+            answer = tls.recv(4096)
+        except (OSError, ssl.SSLError):
+            return "closed"
+    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
+
+
+def handshake(fleet: Fleet, version: ssl.TLSVersion, ciphers: str | None = None) -> str | None:
+    """The TLS version the agents' door agrees to with a client offering only `version` (and `ciphers`, for
+    TLS 1.2), or None when it refuses."""
+    port = fleet.settings.serve[0].port or fleet.settings.gateway.port
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(str(fleet.ca.certificate_path))
+    context.minimum_version = context.maximum_version = version
+    if ciphers:
+        context.set_ciphers(f"{ciphers}:@SECLEVEL=0")
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as tcp,
+            context.wrap_socket(tcp, server_hostname="localhost") as tls,
+        ):
+            return tls.version()
+    except (ssl.SSLError, ConnectionError):
+        return None
+
+
+async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_without_its_content(gw):
+    key = await gateway.add_key(gw, "logan")
+    await wait_hosts_up(gw)
+    agreed = {
+        "TLS 1.3": handshake(gw, ssl.TLSVersion.TLSv1_3),
+        "TLS 1.2, ECDHE and AES-GCM": handshake(gw, ssl.TLSVersion.TLSv1_2, "ECDHE-ECDSA-AES128-GCM-SHA256"),
+        "TLS 1.2, CBC and SHA-1": handshake(gw, ssl.TLSVersion.TLSv1_2, "ECDHE-ECDSA-AES128-SHA"),
+        "TLS 1.2, CBC and SHA-256": handshake(gw, ssl.TLSVersion.TLSv1_2, "ECDHE-ECDSA-AES128-SHA256"),
+    }
+    assert agreed == {
+        "TLS 1.3": "TLSv1.3", "TLS 1.2, ECDHE and AES-GCM": "TLSv1.2", "TLS 1.2, CBC and SHA-1": None,
+        "TLS 1.2, CBC and SHA-256": None,
+    }  # fmt: skip
+    # one line a request: the agent, the call's key hashed, the host by its name, the status and times; no
+    # content, no key, not the call's own id
+    async with client(gw, key) as c:
+        reply = await c.post(CHAT, json=turn("the patient's date of birth"), headers={"X-Session-Id": "call-log-1"})
+        assert reply.status_code == 200
+    async with client(gw, "fa-not-a-key") as c:
+        assert (await c.post(CHAT, json=turn("hi"))).status_code == 401
+    log = files_for(gw.settings).access_log
+    call = hashlib.sha256(b"logan/call-log-1").digest()[:8].hex()
+    for _ in range(200):  # HAProxy writes a request's line once its answer has gone
+        lines = [dict(f.split("=", 1) for f in line.split()) for line in log.read_text().splitlines()]
+        lines = [line for line in lines if line["status"] != "-"]  # the refused handshakes' lines
+        if any(line["status"] == "401" for line in lines):
+            break
+        await asyncio.sleep(0.05)
+    served = [line for line in lines if line["call"] == call]
+    assert len(served) == 1, lines
+    hosts = {h["host"] for h in (await gateway.status(gw))["targets"][0]["hosts"] if h["host"]}
+    assert served[0]["agent"] == "logan" and served[0]["status"] == "200" and served[0]["host"] in hosts
+    assert served[0]["admit"] == "new" and int(served[0]["total_ms"]) >= 0 and int(served[0]["first_content_ms"]) >= 0
+    assert [(line["agent"], line["host"]) for line in lines if line["status"] == "401"] == [("-", "-")]
+    text = log.read_text()
+    assert "date of birth" not in text and "call-log-1" not in text and key not in text
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+async def test_the_endpoints_file_holds_no_host_key_while_the_gateway_serves_and_is_written_through_no_link(gw):
+    path = gw.settings.rotation.endpoints_path
+    hosts = {h.name: gw.api_key(h) for h in gw.record.hosts(states=(HostState.READY,))}
+    served = json.loads(path.read_text())
+    assert {e["name"] for e in served} == set(hosts) and all("api_key" not in e for e in served)
+    assert not any(key in path.read_text() for key in hosts.values())
+    assert {e["name"]: e["api_key"] for e in gw.endpoints()} == hosts  # fleet endpoints --show-keys still can
+    # whoever can write the file's folder plants links where a writer might put its temporary file: the file
+    # is replaced whole, and nothing a link names is touched
+    victim = path.parent / "victim"
+    victim.write_text("untouched")
+    for pid in (os.getpid(), *range(os.getpid() - 5, os.getpid() + 50)):
+        with contextlib.suppress(FileExistsError):
+            (path.parent / f".{path.name}.{pid}.tmp").symlink_to(victim)
+    try:
+        await gateway.stop(gw)  # the agents go to the hosts again: their keys come back
+        direct = json.loads(path.read_text())
+        assert {e["name"]: e["api_key"] for e in direct} == hosts
+        assert victim.read_text() == "untouched" and not path.is_symlink()
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        for link in path.parent.glob(f".{path.name}.*.tmp"):
+            link.unlink()
+        await gateway.start(gw)
 
 
 async def test_a_revoked_key_is_refused_at_once(gw, module_dir):

@@ -106,7 +106,7 @@ async def _run(
     runs it; the others skip it."""
     settings = config.load(config_path)
     async with open_context(settings, LogReporter()) as ctx:
-        ctx.on_hosts_changed.append(gateway.apply)  # this machine's gateway follows what the job changes
+        gateway.hang(ctx)
         holder = ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID)
         if holder is not None:
             where = "here (a late run of the same tick)" if holder == DAEMON_ID else f"on daemon {holder}"

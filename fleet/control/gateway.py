@@ -22,6 +22,7 @@ from fleet.gateway.observed import NOTHING_OBSERVED, SlotObserved
 from fleet.gateway.runtime import Runtime
 from fleet.gateway.sync import SyncReport, sync
 from fleet.gateway.targets import Target, targets
+from fleet.host.endpoints import publish_endpoints
 
 
 def _files(ctx: Context) -> GatewayFiles:
@@ -41,6 +42,19 @@ def _targets(ctx: Context) -> list[Target]:
     return found
 
 
+def serves(ctx: Context, host: Host) -> bool:
+    """Whether this machine's gateway is wanted and has a target for the host's model and region: the agents'
+    door to it, so that no agent needs the host's own key."""
+    return _wanted(_files(ctx)) and any((t.model, t.region) == (host.model, host.region) for t in targets(ctx.settings))
+
+
+def hang(ctx: Context) -> None:
+    """This machine's gateway follows every change a process makes to the hosts, and is the agents' door to
+    the hosts it serves."""
+    ctx.on_hosts_changed.append(apply)
+    ctx.gateway_serves = lambda host: serves(ctx, host)
+
+
 async def start(ctx: Context) -> dict[str, Any]:
     files = _files(ctx)
     found = _targets(ctx)
@@ -53,6 +67,7 @@ async def start(ctx: Context) -> dict[str, Any]:
             await process.stop(files)
         raise
     (files.directory / "wanted").touch()
+    publish_endpoints(ctx)  # the hosts it serves leave their keys out of the endpoints file
     _record(ctx, "start", {"pid": pid, "added": report.added})
     return await status(ctx)
 
@@ -62,6 +77,7 @@ async def stop(ctx: Context, grace_s: float = 0.0) -> int | None:
     files = _files(ctx)
     (files.directory / "wanted").unlink(missing_ok=True)
     pid = await process.stop(files, grace_s)
+    publish_endpoints(ctx)  # agents go to the hosts themselves again: their keys back in the endpoints file
     if pid is not None:
         _record(ctx, "stop", {"pid": pid})
     return pid

@@ -39,6 +39,14 @@ class GatewayFiles:
         return self.directory / "haproxy.pid"
 
     @property
+    def access_log(self) -> Path:
+        return self.directory / "access.log"  # a line a request: who, which call (hashed), where, how it went
+
+    @property
+    def errors(self) -> Path:
+        return self.directory / "haproxy.err"  # what HAProxy said of itself since it last started
+
+    @property
     def socket(self) -> Path:
         """HAProxy's admin socket: in the folder, unless its path would not fit a Unix socket's 108 bytes
         (HAProxy binds it under a longer temporary name first); then in a private folder of this user's

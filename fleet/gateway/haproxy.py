@@ -29,6 +29,13 @@ from fleet.gateway.targets import Target
 
 BUFFER_BYTES = 262_144  # a request body is read whole before a host is chosen: the largest one allowed fits
 STICK_ENTRIES = 200_000
+# the intermediate profile of Mozilla's server-side TLS guidelines, less the DHE suites (no DH parameters here)
+TLS12_CIPHERS = ":".join(
+    f"ECDHE-{kind}-{cipher}"
+    for cipher in ("AES128-GCM-SHA256", "AES256-GCM-SHA384", "CHACHA20-POLY1305")
+    for kind in ("ECDSA", "RSA")
+)
+TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
 
 
 def _error(status: int, kind: str, message: str) -> str:
@@ -47,6 +54,14 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         f"  tune.bufsize {BUFFER_BYTES}",
         f"  nbthread {g.threads}",
         "  ssl-server-verify required",
+        "  log stdout format raw local0 info",  # HAProxy runs in the foreground, its output the access log
+        # every TLS hop, the agents' and fleet's own: TLS 1.3, or 1.2 with forward secrecy and an AEAD cipher
+        f"  ssl-default-bind-ciphers {TLS12_CIPHERS}",
+        f"  ssl-default-bind-ciphersuites {TLS13_SUITES}",
+        "  ssl-default-bind-options ssl-min-ver TLSv1.2 no-tls-tickets",
+        f"  ssl-default-server-ciphers {TLS12_CIPHERS}",
+        f"  ssl-default-server-ciphersuites {TLS13_SUITES}",
+        "  ssl-default-server-options ssl-min-ver TLSv1.2 no-tls-tickets",
         *([f"  localpeer {g.peer_name}"] if g.peers else []),
         "",
         "",
@@ -89,6 +104,9 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         f"frontend agents_{t}",
         f"  bind {g.listen}:{target.port} ssl crt {files.pem} alpn h2,http/1.1",
         "  option http-buffer-request",
+        "  log global",
+        f'  log-format "{_access_log_format(target, files)}"',
+        f'  error-log-format "at=%Ts.%ms target={target.alias} client=%ci status=- connection_error=%[fc_err]"',
         f"  http-request return {_error(404, 'not_found', 'only /v1/chat/completions and /v1/models are served')}"
         " unless { path /v1/chat/completions /v1/models }",
         '  http-request set-var(txn.agent) req.hdr(authorization),regsub("^Bearer ",""),sha2(256),hex,lower,'
@@ -99,6 +117,10 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         " if { path /v1/models } METH_GET",
         f"  http-request return {_error(405, 'invalid_request_error', 'GET /v1/models, POST /v1/chat/completions')}"
         " if { path /v1/models } || !METH_POST",
+        # a body must say its length: a chunked one is judged by the part the buffer holds, which large headers
+        # keep under the limit while the rest streams on to the host (1 MiB passed behind 80 KB of headers)
+        f"  http-request return {_error(411, 'invalid_request_error', 'the request needs a Content-Length')}"
+        " unless { req.hdr_cnt(content-length) eq 1 }",
         f"  http-request return {_error(413, 'invalid_request_error', 'the request body is too large')}"
         f" if {{ req.hdr_val(content-length) gt {limit} }} || {{ req.body_size gt {limit} }}",
         f"  http-request return {_error(400, 'invalid_request_error', 'the body is not a chat request in JSON')}"
@@ -125,6 +147,29 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         "  stick-table type string len 8 size 8 store http_req_cnt",
         "",
     ]
+
+
+def _access_log_format(target: Target, files: GatewayFiles) -> str:
+    """A line a request, never its content: when, which agent, which call (its key hashed), admitted how, the
+    host that served it (as its certificate names it), the status, the times and the bytes sent back."""
+    fields = {
+        "at": "%Ts.%ms",
+        "target": target.alias,
+        "client": "%ci",
+        "agent": "%[var(txn.agent)]",
+        "call": "%[var(txn.call),sha2(256),bytes(0,8),hex,lower]",
+        "admit": "%[var(txn.admit)]",
+        "host": f"%[srv_name,regsub(^s,{target.section_prefix}),map({files.name_map})]",
+        "status": "%ST",
+        "queue_ms": "%Tw",
+        "connect_ms": "%Tc",
+        "response_ms": "%Tr",
+        "first_content_ms": "%[var(txn.first_content_ms)]",
+        "total_ms": "%Ta",
+        "bytes_out": "%B",
+        "end": "%tsc",
+    }
+    return " ".join(f"{name}={value}" for name, value in fields.items())
 
 
 def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: str) -> list[str]:

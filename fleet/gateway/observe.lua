@@ -90,6 +90,7 @@ function Observe:http_end(txn, msg)
     e.buckets[i] = e.buckets[i] + 1
     e.count = e.count + 1
     e.sum_ms = e.sum_ms + self.first_ms
+    txn:set_var("txn.first_content_ms", math.floor(self.first_ms))  -- the access log's
   end
   if txn:get_var("txn.admit") == "turn" then
     local tail = (self.before or "") .. (self.last or "")

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +40,10 @@ def running_pid(files: GatewayFiles) -> int | None:
     command line names this instance's configuration (a PID is reused once its process is gone)."""
     try:
         pid = int(files.pidfile.read_text().split()[0])
+        child = _children.get(pid)
+        if child is not None and child.poll() is not None:
+            del _children[pid]  # this process started it, and it ended: reaped, so its PID is free again
+            return None
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError, IndexError):
         return None
@@ -59,7 +64,11 @@ def write_configuration(
 
 
 async def start(files: GatewayFiles, settings: Settings, targets: list[Target], ca: CertificateAuthority) -> int:
-    """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers."""
+    """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers.
+
+    HAProxy runs in the foreground of a session of its own, its standard output appended to the access log
+    (a line a request, no content: haproxy.py's log format) and its alerts to haproxy.err: a daemonised HAProxy
+    has no standard output to log to. fleet writes the pid file itself."""
     pid = running_pid(files)
     if pid is not None:
         return pid
@@ -73,22 +82,40 @@ async def start(files: GatewayFiles, settings: Settings, targets: list[Target], 
         env[overflow.key_env] = key  # HAProxy's environment alone holds it: not its config file, not its argv
     write_configuration(files, settings, targets, ca)
     files.socket.unlink(missing_ok=True)
-    process = await asyncio.create_subprocess_exec(
-        binary, "-D", "-p", str(files.pidfile), "-f", str(files.config),
-        env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    output, _ = await process.communicate()
-    if process.returncode != 0:
-        alerts = [line for line in output.decode(errors="replace").splitlines() if "ALERT" in line]
-        raise GatewayError(f"HAProxy did not start: {(alerts or ['exit status ' + str(process.returncode)])[0][:300]}")
+    log = _append_private(files.access_log)
+    errors = _append_private(files.errors, truncate=True)
+    try:
+        process = subprocess.Popen(
+            [binary, "-db", "-f", str(files.config)],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=errors, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(log)
+        os.close(errors)
+    _children[process.pid] = process  # reaped when it ends, so that its PID never reads as a live HAProxy
+    write_public(files.pidfile, f"{process.pid}\n".encode())
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        pid = running_pid(files)
-        if pid is not None and files.socket.exists():
-            return pid
+        if process.poll() is not None:
+            files.pidfile.unlink(missing_ok=True)
+            said = files.errors.read_text(errors="replace").splitlines()
+            alerts = [line for line in said if "ALERT" in line] or said[-1:] or [f"exit status {process.returncode}"]
+            raise GatewayError(f"HAProxy did not start: {alerts[0][:300]}")
+        if files.socket.exists() and running_pid(files) == process.pid:
+            return process.pid
         await asyncio.sleep(0.05)
     raise GatewayError(f"HAProxy started but its admin socket {files.socket} did not appear in {START_TIMEOUT_S:g}s")
+
+
+_children: dict[int, subprocess.Popen] = {}
+
+
+def _append_private(path: Path, truncate: bool = False) -> int:
+    """A descriptor that appends to `path`, a file of this user's alone (never through a link)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else os.O_APPEND)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 async def stop(files: GatewayFiles, grace_s: float = 0.0) -> int | None:

@@ -32,7 +32,11 @@ class Target:
 
     def slot_section(self, slot: int) -> str:
         """The section that holds the host in `slot`: one host each, so that its key goes with it."""
-        return f"host_t{self.index}_{slot}"
+        return f"{self.section_prefix}{slot}"
+
+    @property
+    def section_prefix(self) -> str:
+        return f"host_t{self.index}_"
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """What a voice agent needs from each READY host, and the file that set is published to on every change
-(rotation.endpoints_file: written atomically, private, API keys included). Every URL is https://, its
-certificate signed by fleet's CA: `ca_file` is what an agent verifies it with."""
+(rotation.endpoints_file: written whole, private). Every URL is https://, its certificate signed by fleet's CA:
+`ca_file` is what an agent verifies it with. The file carries a host's key only while no gateway of this
+machine is the agents' door to it: an agent of a gateway holds its own key, never a host's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from typing import Any
 
 from fleet.context import Context
@@ -28,18 +31,30 @@ def endpoints(ctx: Context) -> list[dict[str, Any]]:
     ]
 
 
+def published(ctx: Context) -> list[dict[str, Any]]:
+    """What the endpoints file holds: every READY host, its key only where no gateway here serves it."""
+    served = {h.name for h in ctx.record.hosts(states=(HostState.READY,)) if ctx.gateway_serves(h)}
+    return [{k: v for k, v in e.items() if k != "api_key" or e["name"] not in served} for e in endpoints(ctx)]
+
+
 def publish_endpoints(ctx: Context) -> None:
-    """Write the READY set to rotation.endpoints_file (atomically, private), when it changed."""
+    """Write the READY set to rotation.endpoints_file (whole, private), when it changed: through a temporary
+    file of a name no one can guess, made by this call alone (never a file or link someone put there first)."""
     path = ctx.settings.rotation.endpoints_path
-    text = json.dumps(endpoints(ctx), indent=1, sort_keys=True) + "\n"
-    if path.exists() and path.read_text() == text:
-        return
+    text = json.dumps(published(ctx), indent=1, sort_keys=True) + "\n"
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 async def publish(ctx: Context) -> None:
