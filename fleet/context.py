@@ -30,7 +30,7 @@ from fleet.core.keys import SshKey, ensure_key
 from fleet.core.models import LABEL_PREFIX, Host
 from fleet.core.ownership import process_owner
 from fleet.core.record import Record, open_database
-from fleet.core.tls import CertificateAuthority, client_context, ensure_ca
+from fleet.core.tls import CertificateAuthority, client_context, ensure_ca, load_certificate, public_key_sha256
 from fleet.localcloud import control as local_cloud
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
@@ -196,16 +196,48 @@ class Context:
 
     @property
     def ca(self) -> CertificateAuthority:
-        """fleet's CA, made beside its SSH key on first use: it signs every host's certificate."""
+        """fleet's CA, with its key: it signs every host's certificate. Made beside fleet's SSH key on first use,
+        and named in the record then: a machine without that CA (a new state directory, a gateway's machine
+        given no key) refuses to make another, whose certificates no client of the install would trust."""
         if self._ca is None:
-            self._ca = ensure_ca(tls_dir(self.settings), f"fleet CA {self.label_prefix.rstrip(':')}")
+            directory = tls_dir(self.settings)
+            named = self.record.ca_sha256()
+            if named is not None and not (directory / "ca.key").exists():
+                raise ConfigError(
+                    f"fleet's CA key is not on this machine ({directory / 'ca.key'}) and this install's record names"
+                    f" its CA ({named[:16]}...): copy ca.key and ca.pem from the machine that made them (a gateway"
+                    " needs only ca.pem: docs/security.md)"
+                )
+            ca = ensure_ca(directory, f"fleet CA {self.label_prefix.rstrip(':')}")
+            self._check_named(public_key_sha256(ca.certificate), directory)
+            self._ca = ca
         return self._ca
+
+    @property
+    def ca_file(self) -> Path:
+        """fleet's CA certificate, all a client of the hosts needs: on a machine without the CA's key (a
+        gateway's), the ca.pem copied there, provided it is the CA the record names."""
+        if self._ca is None:
+            directory = tls_dir(self.settings)
+            certificate = load_certificate(directory / "ca.pem")
+            if certificate is not None and not (directory / "ca.key").exists():
+                self._check_named(public_key_sha256(certificate), directory)
+                return directory / "ca.pem"
+        return self.ca.certificate_path
+
+    def _check_named(self, sha256: str, directory: Path) -> None:
+        named = self.record.claim_ca(sha256)
+        if named != sha256:
+            raise ConfigError(
+                f"the CA in {directory} ({sha256[:16]}...) is not the one this install's hosts trust"
+                f" ({named[:16]}...): copy ca.key and ca.pem from the machine that made them"
+            )
 
     @property
     def tls(self) -> ssl.SSLContext:
         """What every client of a host verifies it with: fleet's CA alone."""
         if self._tls is None:
-            self._tls = client_context(self.ca.certificate_path)
+            self._tls = client_context(self.ca_file)
         return self._tls
 
     def api_key(self, host: Host) -> str | None:
@@ -218,7 +250,7 @@ class Context:
 
     def server(self, host: Host) -> Server:
         """How to reach a host's llama-server: its URL, its key, its certificate checked against fleet's CA."""
-        return Server(host.api_url or "", self.api_key(host), self.tls)
+        return Server(host.api_url or "", self.api_key(host), self.tls, host.tls_name)
 
     async def close(self) -> None:
         self.leases.close()

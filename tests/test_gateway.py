@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import os
@@ -24,18 +25,19 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography import x509
 
 from fleet.app import Fleet
 from fleet.context import tls_dir
 from fleet.control import gateway
 from fleet.control.daemon import gateway_metrics
 from fleet.control.up import UpRequest
-from fleet.core import config
+from fleet.core import config, tls
 from fleet.core.config import Serve
 from fleet.core.models import BenchRun, HostState
 from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
-from fleet.gateway.files import files_for
+from fleet.gateway.files import endpoint_names, files_for
 from fleet.gateway.runtime import Runtime, checked
 from fleet.host.endpoints import publish
 from tests.fleetkit import fleet_for, settings_for, write_config
@@ -350,7 +352,7 @@ async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_wit
         await asyncio.sleep(0.05)
     served = [line for line in lines if line["call"] == call]
     assert len(served) == 1, lines
-    hosts = {h["host"] for h in (await gateway.status(gw))["targets"][0]["hosts"] if h["host"]}
+    hosts = {tls.host_tls_name(h["host"]) for h in (await gateway.status(gw))["targets"][0]["hosts"] if h["host"]}
     assert served[0]["agent"] == "logan" and served[0]["status"] == "200" and served[0]["host"] in hosts
     assert served[0]["admit"] == "new" and int(served[0]["total_ms"]) >= 0 and int(served[0]["first_content_ms"]) >= 0
     assert [(line["agent"], line["host"]) for line in lines if line["status"] == "401"] == [("-", "-")]
@@ -383,6 +385,37 @@ async def test_the_endpoints_file_holds_no_host_key_while_the_gateway_serves_and
         for link in path.parent.glob(f".{path.name}.*.tmp"):
             link.unlink()
         await gateway.start(gw)
+
+
+def served_certificate(fleet: Fleet) -> x509.Certificate:
+    port = fleet.settings.serve[0].port or fleet.settings.gateway.port
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as tcp,
+        fleet.tls.wrap_socket(tcp, server_hostname="localhost") as tls,
+    ):
+        return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+
+
+async def test_the_agents_certificate_is_renewed_in_place_before_it_ends_and_no_call_drops(gw):
+    key = await gateway.add_key(gw, "mona")
+    await wait_hosts_up(gw)
+    files = files_for(gw.settings)
+    pid = process.running_pid(files)
+    # the certificate HAProxy serves, as it will be ten days before its end (80 days after it started)
+    key_pem, certificate_pem = sign_server(gw.ca, endpoint_names(gw.settings), 10)
+    files.pem.write_bytes(certificate_pem + key_pem)
+    await Runtime(files.socket).replace_certificate(files.pem, files.pem.read_bytes())
+    assert served_certificate(gw).not_valid_after_utc < dt.datetime.now(dt.UTC) + dt.timedelta(days=11)
+    async with client(gw, key) as c:
+        assert (await c.post(CHAT, json=turn("before"), headers={"X-Session-Id": "renewed"})).status_code == 200
+        renewed = await gateway.renew(gw)  # the daemon's beat does this
+        assert renewed == [str(files.pem)]
+        fresh = served_certificate(gw)
+        assert fresh.not_valid_after_utc > dt.datetime.now(dt.UTC) + dt.timedelta(days=80)
+        # the same HAProxy, and the connection opened before goes on
+        assert process.running_pid(files) == pid
+        assert (await c.post(CHAT, json=turn("after"), headers={"X-Session-Id": "renewed"})).status_code == 200
+    assert await gateway.renew(gw) == []  # nothing to do now
 
 
 async def test_a_revoked_key_is_refused_at_once(gw, module_dir):

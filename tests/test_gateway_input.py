@@ -170,7 +170,7 @@ async def test_haproxy_starts_from_a_folder_too_deep_for_a_unix_socket_path(tmp_
     a private folder of this user's instead, and HAProxy starts, answers and stops."""
     from fleet.core.tls import ensure_ca
     from fleet.gateway import process
-    from fleet.gateway.files import files_for, runtime_dir
+    from fleet.gateway.files import GatewayCa, files_for, runtime_dir
     from fleet.gateway.runtime import Runtime
     from fleet.gateway.targets import targets
     from tests.fleetkit import settings_for
@@ -187,7 +187,7 @@ async def test_haproxy_starts_from_a_folder_too_deep_for_a_unix_socket_path(tmp_
     files = files_for(settings)
     assert len(str(deep / "admin.sock")) > 108 and files.socket.parent == runtime_dir()
     assert oct(runtime_dir().stat().st_mode & 0o777) == "0o700"
-    pid = await process.start(files, settings, targets(settings), ensure_ca(tmp_path / "tls", "test CA"))
+    pid = await process.start(files, settings, targets(settings), GatewayCa.of(ensure_ca(tmp_path / "tls", "test CA")))
     try:
         stats = await Runtime(files.socket).stats()
         assert any(r["pxname"] == "calls_t0" for r in stats)

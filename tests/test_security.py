@@ -24,14 +24,14 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fleet.context import key_secret_path
+from fleet.context import key_secret_path, tls_dir
 from fleet.control import rotation, sizing
 from fleet.control.up import UpRequest
 from fleet.core import tls
 from fleet.core.apikeys import host_api_key
-from fleet.core.config import Serve, verified_database_url
+from fleet.core.config import ConfigError, Serve, verified_database_url
 from fleet.core.errors import FleetError
 from fleet.core.files import write_private
 from fleet.host import addresses, hubfile
@@ -223,15 +223,16 @@ async def test_a_pull_that_outlives_its_signed_url_goes_on_with_a_fresh_one(clou
         cloud.set_faults({})
 
 
-def _host_cert(ca, address: str, directory: Path) -> tuple[Path, Path]:
-    """A server key made here and a certificate from `ca` for `address`: what a host would serve."""
+def _host_cert(ca, address: str, directory: Path, name: str = "h") -> tuple[Path, Path]:
+    """A server key made here and a certificate from `ca` for the host `name` at `address`: what a host would
+    serve."""
     key = ec.generate_private_key(ec.SECP256R1())
     request = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "h")]))
         .sign(key, hashes.SHA256())
     )
-    pem = tls.sign_host(ca, request.public_bytes(serialization.Encoding.PEM), address, "h", _in(days=1))
+    pem = tls.sign_host(ca, request.public_bytes(serialization.Encoding.PEM), address, name, _in(days=1))
     directory.mkdir(parents=True, exist_ok=True)
     key_path, cert_path = directory / "tls.key", directory / "tls.pem"
     write_private(
@@ -272,7 +273,7 @@ async def test_a_host_serves_https_alone_with_a_certificate_fleet_signed_for_its
             assert cert.issuer == fleet.ca.certificate.subject
             names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
             assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == [address]
-            assert names.get_values_for_type(x509.DNSName) == []
+            assert names.get_values_for_type(x509.DNSName) == [host.tls_name] == [tls.host_tls_name(host.name)]
             contract_end = host.contract_end_at.replace(tzinfo=dt.UTC)
             assert cert.not_valid_after_utc <= contract_end
             # the probes time the TLS handshake apart from the connect, and a kept connection skips both
@@ -297,31 +298,46 @@ async def test_a_host_serves_https_alone_with_a_certificate_fleet_signed_for_its
 
 
 async def test_a_server_with_anyone_elses_certificate_is_refused(llama_server, tmp_path):
-    """On the path to a host: a certificate from another CA, or fleet's own for another address."""
+    """On the path to a host: a certificate from another CA, or fleet's own for another host at this address (a
+    listing that named another host's place got it signed); for a host signed before hosts had names (the record
+    holds none), fleet's own for another address."""
     ours = tls.ensure_ca(tmp_path / "ours", "fleet CA ours")
     theirs = tls.ensure_ca(tmp_path / "theirs", "fleet CA theirs")
     model = tinymodels.ensure(tmp_path / "models")["tiny"]
     verify = tls.client_context(ours.certificate_path)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    cases = {"fleet's CA, this address": (ours, "127.0.0.1"), "another CA": (theirs, "127.0.0.1")}
-    cases["fleet's CA, another address"] = (ours, "127.0.0.2")
-    answered = {}
-    for case, (ca, address) in cases.items():
-        key, cert = _host_cert(ca, address, tmp_path / case.replace(" ", "_").replace("'", "").replace(",", ""))
+    h = tls.host_tls_name("h")  # what fleet's clients of host "h" check, at the address the record holds
+    cases = {  # the certificate's CA, its address and host; the name the client checks
+        "fleet's CA, this host": (ours, "127.0.0.1", "h", h),
+        "another CA": (theirs, "127.0.0.1", "h", h),
+        "fleet's CA, another host at this address": (ours, "127.0.0.1", "h2", h),
+        "fleet's CA, no name, another address": (ours, "127.0.0.2", "h", None),
+    }
+    answered: dict[str, tuple[object, object]] = {}
+    for case, (ca, address, name, expected) in cases.items():
+        folder = tmp_path / case.replace(" ", "_").replace("'", "").replace(",", "")
+        key, cert = _host_cert(ca, address, folder, name)
         flags = ["-np", "1", "-c", "512", "-t", "1", "--ssl-key-file", str(key), "--ssl-cert-file", str(cert)]
         up = tls.client_context(ca.certificate_path)  # to see it come up at all, whatever its name
         up.check_hostname = False
         with run_llama_server(llama_server, model, *flags, tls=up) as url:
-            conn = Connection(Server(url, None, verify))
+            server = Server(url, None, verify, expected)
+            conn = Connection(server)
             try:
-                answered[case] = (await conn.chat(body)).status
+                streamed: object = (await conn.chat(body)).status
             except StreamError as e:
-                answered[case] = str(e)
+                streamed = str(e)
             finally:
                 await conn.close()
-    assert answered["fleet's CA, this address"] == 200  # verified, and through TLS to the server itself
-    assert "CERTIFICATE_VERIFY_FAILED" in answered["another CA"]
-    assert "CERTIFICATE_VERIFY_FAILED" in answered["fleet's CA, another address"]
+            try:
+                async with server.client(timeout=30) as client:
+                    asked: object = (await client.get("/health")).status_code
+            except httpx.ConnectError as e:
+                asked = str(e)
+            answered[case] = (streamed, asked)
+    assert answered.pop("fleet's CA, this host") == (200, 200)  # verified, and through TLS to the server itself
+    for case, said in answered.items():
+        assert all("CERTIFICATE_VERIFY_FAILED" in str(s) for s in said), (case, said)
 
 
 def test_fleet_signs_only_the_public_key_of_a_well_formed_request(tmp_path):
@@ -345,8 +361,10 @@ def test_fleet_signs_only_the_public_key_of_a_well_formed_request(tmp_path):
     cert = x509.load_pem_x509_certificate(tls.sign_host(ca, pem, "203.0.113.7", "h1", _in(hours=5)))
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(v) for v in names.get_values_for_type(x509.IPAddress)] == ["203.0.113.7"]
-    assert names.get_values_for_type(x509.DNSName) == []
+    assert names.get_values_for_type(x509.DNSName) == ["h1.hosts.fleet.invalid"]  # the host's own name alone
     assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usages) == [ExtendedKeyUsageOID.SERVER_AUTH]  # never a client: no gateway peer
     assert cert.subject.rfc4514_string() == "CN=h1" and cert.public_key() == key.public_key()
     assert cert.not_valid_after_utc <= _in(hours=5)
 
@@ -639,3 +657,28 @@ async def test_a_host_is_replaced_before_its_certificate_ends(cloud, tmp_path):
             assert gone.state == "destroyed" and fleet.record.blacklist() == []
         finally:
             await fleet.destroy(None)
+
+
+async def test_a_machine_without_the_installs_ca_makes_none_of_its_own(tmp_path):
+    """The record names the CA its hosts trust once one is used: a machine without its key (a gateway's, a new
+    state directory on the same record) may verify hosts with its ca.pem alone, and never makes a CA of its own
+    that no client of the install would trust."""
+    settings = settings_for(tmp_path)
+    folder = tls_dir(settings)
+    async with fleet_for(settings) as fleet:
+        made = fleet.ca
+        assert fleet.record.ca_sha256() == tls.public_key_sha256(made.certificate)
+    (folder / "ca.key").rename(tmp_path / "ca.key.elsewhere")
+    async with fleet_for(settings) as fleet:
+        assert fleet.ca_file == folder / "ca.pem" and fleet.tls is not None  # verifying needs no key
+        with pytest.raises(ConfigError, match="CA key is not on this machine"):
+            assert fleet.ca is None
+    assert not (folder / "ca.key").exists()  # none made
+    tls.ensure_ca(folder, "fleet CA another")  # a CA of another install's, or made by hand
+    async with fleet_for(settings) as fleet:
+        with pytest.raises(ConfigError, match="is not the one this install's hosts trust"):
+            assert fleet.ca is None
+    (folder / "ca.key").unlink()
+    async with fleet_for(settings) as fleet:
+        with pytest.raises(ConfigError, match="is not the one this install's hosts trust"):
+            assert fleet.tls is None

@@ -61,8 +61,11 @@ async def vllm_host(_cloud_env, module_dir: Path) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def fleet(vllm_host, module_dir: Path) -> AsyncIterator[Fleet]:
-    # thermal's share as the llama-server test has it: a CPU host's rate moves with the machine's other load
-    async with fleet_for(settings_for(module_dir, probes={"thermal_min_share": 0.5})) as opened:
+    # thermal's share as the llama-server test has it: a CPU host's rate moves with the machine's other load;
+    # the probes' deadline as the bring-up's (vLLM's CPU build decodes four at once at ~30 tok/s each on a quiet
+    # machine: thermal's three samples beside its load took over 60 s on a busy one)
+    settings = settings_for(module_dir, probes={"thermal_min_share": 0.5}, timeouts={"load": 240, "probes": 240})
+    async with fleet_for(settings) as opened:
         yield opened
 
 

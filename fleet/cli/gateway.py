@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -56,6 +57,26 @@ def status_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) ->
     """Each target's URL, its hosts (state, streams now, limit) and its count of calls."""
     shown = _run(config_path, json_output, gateway.status)
     render.print_json(shown) if json_output else _show(shown)
+
+
+@app.command("peer-certificate")
+def peer_certificate_cmd(
+    name: Annotated[str, typer.Argument(help="The peer's name, as gateway.peer_name on its machine.")],
+    out: Annotated[Path, typer.Option("--out", help="The folder the certificate and key are written to.")],
+    json_output: JsonFlag = False,
+    config_path: ConfigPath = None,
+) -> None:
+    """Sign a gateway peer's certificate with fleet's CA, here where its key is: the peer's machine then runs
+    its gateway with gateway.peer_certificate_file and peer_key_file set, and no CA key of its own."""
+
+    async def work(fleet: Any) -> Any:
+        return gateway.peer_certificate(fleet, name, out)
+
+    made = _run(config_path, json_output, work)
+    if json_output:
+        render.print_json(made)
+    else:
+        render.line(f"peer {name}: certificate {made['certificate_file']}, key {made['key_file']} (0600)")
 
 
 @key_app.command("add")

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 from fleet.context import Context, tls_dir
 from fleet.core.config import Settings
 from fleet.core.errors import BadInput
+from fleet.core.files import write_private, write_public
 from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
+from fleet.core.gatewaysettings import PEER_NAME
 from fleet.core.models import Host
+from fleet.core.tls import HOSTS_DOMAIN, sign_peer
 from fleet.gateway import process
-from fleet.gateway.files import GatewayFiles, files_for
+from fleet.gateway.files import CERTIFICATE_DAYS, GatewayCa, GatewayFiles, certificates, files_for
 from fleet.gateway.observed import NOTHING_OBSERVED, SlotObserved
 from fleet.gateway.runtime import Runtime
 from fleet.gateway.sync import SyncReport, sync
@@ -27,6 +32,10 @@ from fleet.host.endpoints import publish_endpoints
 
 def _files(ctx: Context) -> GatewayFiles:
     return files_for(ctx.settings)
+
+
+def _ca(ctx: Context) -> GatewayCa:
+    return GatewayCa(ctx.ca_file, lambda: ctx.ca)  # the key only where a certificate must be signed here
 
 
 def _wanted(files: GatewayFiles) -> bool:
@@ -55,11 +64,28 @@ def hang(ctx: Context) -> None:
     ctx.gateway_serves = lambda host: serves(ctx, host)
 
 
+def peer_certificate(ctx: Context, name: str, out: Path) -> dict[str, str]:
+    """A gateway peer's certificate and key for `name`, signed here by fleet's CA and written to `out` (the key
+    0600): what a gateway's machine without the CA key sets as gateway.peer_certificate_file and peer_key_file."""
+    if not re.fullmatch(PEER_NAME, name):
+        raise BadInput(f"{name[:80]!r}: a peer's name is letters, digits, _ . - (at most 63)")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"{out}: not a folder")
+    certificate_path, key_path = out / f"{name}.peer.pem", out / f"{name}.peer.key"
+    taken = [str(p) for p in (certificate_path, key_path) if p.exists()]
+    if taken:
+        raise BadInput(f"{taken[0]} exists: remove it first, or write elsewhere")
+    key, certificate = sign_peer(ctx.ca, name, CERTIFICATE_DAYS)
+    write_private(key_path, key)
+    write_public(certificate_path, certificate)
+    return {"name": name, "certificate_file": str(certificate_path), "key_file": str(key_path)}
+
+
 async def start(ctx: Context) -> dict[str, Any]:
     files = _files(ctx)
     found = _targets(ctx)
     running = process.running_pid(files)
-    pid = await process.start(files, ctx.settings, found, ctx.ca)
+    pid = await process.start(files, ctx.settings, found, _ca(ctx))
     try:
         report = await sync(ctx, files, found)
     except BaseException:
@@ -100,10 +126,26 @@ async def keep(ctx: Context) -> SyncReport | None:
     if not _wanted(files) or not ctx.settings.serve:
         return None
     if process.running_pid(files) is None:
-        pid = await process.start(files, ctx.settings, targets(ctx.settings), ctx.ca)
+        pid = await process.start(files, ctx.settings, targets(ctx.settings), _ca(ctx))
         _record(ctx, "restart", {"pid": pid})
         ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
+    else:
+        await renew(ctx)
     return await apply(ctx)
+
+
+async def renew(ctx: Context) -> list[str]:
+    """The gateway's certificates renewed in place where they near their end (or were replaced on disk): the
+    running HAProxy takes the new ones through its admin socket. The files renewed."""
+    files = _files(ctx)
+    changed = certificates(files, ctx.settings, _ca(ctx))
+    if changed and process.running_pid(files) is not None:
+        runtime = Runtime(files.socket)
+        for path in changed:
+            await runtime.replace_certificate(path, path.read_bytes())
+        _record(ctx, "renew", {"certificates": [p.name for p in changed]})
+        ctx.reporter.info("gateway", f"certificate(s) renewed in place: {', '.join(p.name for p in changed)}")
+    return [str(p) for p in changed]
 
 
 async def calls_on(ctx: Context, host: Host) -> int:
@@ -184,7 +226,8 @@ async def targets_now(settings: Settings) -> list[dict[str, Any]]:
             if door and row.get("status") != "MAINT":
                 slot = int(row["svname"][1:])
                 observed = seen.get((target.backend, slot))
-                entry["hosts"].append(_host_row(row, names.get(target.slot_section(slot), ""), observed))
+                shown = names.get(target.slot_section(slot), "").removesuffix(f".{HOSTS_DOMAIN}")
+                entry["hosts"].append(_host_row(row, shown, observed))
         if running:
             counts = await runtime.table(f"counts_t{target.index}")
             entry["calls"] = {k: int(v.get("http_req_cnt", 0)) for k, v in counts.items()}

@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from fleet.core.profiles import Strict
+from fleet.core.tls import FLEET_DOMAIN, fleets_own, peer_tls_name
 
 # what an HAProxy peer name and a certificate's DNS name may be: nothing that could end a config line
 PEER_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}"
@@ -68,6 +69,10 @@ class Gateway(Strict):
     # among them as `peer_name` (their stick tables travel over TLS with fleet's certificates)
     peers: list[str] = []
     peer_name: str = ""
+    # This peer's certificate and key (PEM), made on the machine that holds fleet's CA key (`fleet gateway
+    # peer-certificate NAME`). Empty: fleet's CA signs one here, which needs its key on this machine.
+    peer_certificate_file: str = ""
+    peer_key_file: str = ""
     overflow: Overflow = Overflow()
 
     @field_validator("listen")
@@ -84,6 +89,8 @@ class Gateway(Strict):
             except ValueError:
                 if not re.fullmatch(DNS_NAME, name):
                     raise ValueError(f"{name[:80]!r}: a DNS name or an IP address") from None
+                if fleets_own(name):
+                    raise ValueError(f"{name!r}: {FLEET_DOMAIN} names are fleet's hosts' and peers' alone") from None
         return v
 
     @field_validator("peers")
@@ -94,6 +101,9 @@ class Gateway(Strict):
             if not m:
                 raise ValueError(f"{peer[:80]!r}: NAME=ADDRESS:PORT")
             _address(m.group(2))
+        names = [peer_tls_name(p.split("=", 1)[0]) for p in v]
+        if len(set(names)) != len(names):
+            raise ValueError("two peers' names differ only in case or in '_' and '.': each needs a name of its own")
         return v
 
     @field_validator("peer_name")

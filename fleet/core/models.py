@@ -148,6 +148,10 @@ class Host(SQLModel, table=True):
     contract_end_at: datetime | None = None
     # when the certificate fleet signed for its server ends: the host is replaced before then, as for a contract
     certificate_until: datetime | None = None
+    # the DNS name that certificate holds (core/tls.py host_tls_name): every client of the host checks it, so
+    # that no other host's certificate passes for this one's; None for a host signed before names (its
+    # address alone is checked)
+    tls_name: str | None = None
     inet_down_mbps: float = 0.0  # the link speed its offer advertised: the pull's deadline scales with it
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None
@@ -282,6 +286,9 @@ class Install(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     install_id: str
+    # the SHA-256 of the CA certificate its hosts were signed by (migration 0015): set by the first process to
+    # use a CA, after which no machine without that CA makes one of its own
+    ca_sha256: str | None = None
 
 
 class AgentKey(SQLModel, table=True):

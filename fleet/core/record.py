@@ -344,6 +344,18 @@ class Record:
         with session(self.engine) as s:
             return s.exec(select(Install.install_id)).one()
 
+    def ca_sha256(self) -> str | None:
+        """The SHA-256 of the public key of the CA this install's hosts trust, once one was used."""
+        with session(self.engine) as s:
+            return s.exec(select(Install.ca_sha256)).one()
+
+    def claim_ca(self, sha256: str) -> str:
+        """Name this CA as the install's unless one is named already (compare-and-set); the one named now."""
+        with session(self.engine) as s:
+            s.execute(sql_update(Install).where(col(Install.ca_sha256).is_(None)).values(ca_sha256=sha256))
+            s.commit()
+            return s.exec(select(Install.ca_sha256)).one() or sha256
+
     def claim_tick(self, job: str, tick: int, daemon: str) -> str | None:
         """Claim `job` at `tick` for `daemon`: None when it got it, else the daemon that had it first."""
         try:

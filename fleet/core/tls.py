@@ -9,7 +9,9 @@ key is made once, on this machine, beside fleet's SSH key and as private.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import ipaddress
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,33 @@ from fleet.core.files import write_private, write_public
 MAX_REQUEST_BYTES = 8192  # a P-256 request is under 1 kB, a 4096-bit RSA one under 2 kB
 CA_YEARS = 10
 CLOCK_SKEW = dt.timedelta(minutes=5)  # a host whose clock lags a little still accepts a fresh certificate
+
+
+# Names under `.invalid` (RFC 6761: never resolved by anyone) that fleet's CA alone gives: one per host, one per
+# gateway peer. A client of a host checks the host's own name, not only its address, so that a certificate
+# signed for one host (or an address a lying listing named) never stands in for another; a peer checks the
+# other gateway's. A gateway's certificate for its agents never holds one of these.
+HOSTS_DOMAIN = "hosts.fleet.invalid"
+PEERS_DOMAIN = "peers.fleet.invalid"
+FLEET_DOMAIN = "fleet.invalid"
+
+
+def host_tls_name(host_name: str) -> str:
+    """The DNS name a host's certificate holds and every client of it checks: its name, made a DNS label."""
+    label = re.sub(r"[^a-z0-9-]", "-", host_name.lower()).strip("-")[:63]
+    return f"{label}.{HOSTS_DOMAIN}"
+
+
+def peer_tls_name(peer_name: str) -> str:
+    """The DNS name a gateway's peer certificate holds and the other gateways check."""
+    label = re.sub(r"[^a-z0-9-]", "-", peer_name.lower()).strip("-")[:63]
+    return f"{label}.{PEERS_DOMAIN}"
+
+
+def fleets_own(name: str) -> bool:
+    """A name in fleet's own domain: only fleet's CA gives it, to a host or a peer."""
+    name = name.lower().rstrip(".")
+    return name == FLEET_DOMAIN or name.endswith("." + FLEET_DOMAIN)
 
 
 class CertificateRequestRefused(FleetError):
@@ -54,6 +83,22 @@ def ensure_ca(directory: Path, name: str) -> CertificateAuthority:
     if not cert_path.exists() or not _certifies(cert_path, key):
         write_public(cert_path, _self_signed(key, name).public_bytes(serialization.Encoding.PEM))
     return CertificateAuthority(key, x509.load_pem_x509_certificate(cert_path.read_bytes()), cert_path)
+
+
+def public_key_sha256(certificate: x509.Certificate) -> str:
+    """What names a CA whatever its certificate's dates: the SHA-256 of its public key (SubjectPublicKeyInfo)."""
+    der = certificate.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(der).hexdigest()
+
+
+def load_certificate(path: Path) -> x509.Certificate | None:
+    """The certificate in a PEM file, or None when there is none (or it is not one)."""
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _certifies(cert_path: Path, key: ec.EllipticCurvePrivateKey) -> bool:
@@ -96,8 +141,9 @@ def _self_signed(key: ec.EllipticCurvePrivateKey, name: str) -> x509.Certificate
 
 
 def sign_host(ca: CertificateAuthority, request_pem: bytes, address: str, name: str, not_after: dt.datetime) -> bytes:
-    """A server certificate for the host at `address` (the marketplace's word for it), valid until
-    `not_after`, for the public key of `request_pem` and nothing else the request asks."""
+    """A server certificate for the host `name` at `address` (the marketplace's word for it), valid until
+    `not_after`, for the public key of `request_pem` and nothing else the request asks: its names are the
+    address and `host_tls_name(name)`, its one use serving TLS (it can be no client, so no peer of a gateway)."""
     if len(request_pem) > MAX_REQUEST_BYTES:
         raise CertificateRequestRefused(f"the host's certificate request is over {MAX_REQUEST_BYTES} bytes")
     try:
@@ -127,7 +173,9 @@ def sign_host(ca: CertificateAuthority, request_pem: bytes, address: str, name: 
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - CLOCK_SKEW)
         .not_valid_after(not_after)
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ip)]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ip), x509.DNSName(host_tls_name(name))]), critical=False
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
@@ -145,8 +193,24 @@ def client_context(ca_path: Path) -> ssl.SSLContext:
 
 
 def sign_server(ca: CertificateAuthority, names: list[str], days: int) -> tuple[bytes, bytes]:
-    """A key made here and its certificate for `names` (DNS names or IPs), valid `days`: what fleet's own
-    endpoints serve (the gateway), verified by an agent with fleet's CA file. (key PEM, certificate PEM)"""
+    """A key made here and its certificate for `names` (DNS names or IPs), valid `days`: what the gateway's
+    agents' door serves when no other certificate is given, verified by an agent with fleet's CA file. Never
+    a name of fleet's own domain: a host's or a peer's. (key PEM, certificate PEM)"""
+    if any(fleets_own(n) for n in names):
+        raise CertificateRequestRefused(f"the names {names} hold one of fleet's own ({FLEET_DOMAIN})")
+    return _sign_leaf(ca, names, days, [ExtendedKeyUsageOID.SERVER_AUTH])
+
+
+def sign_peer(ca: CertificateAuthority, peer_name: str, days: int) -> tuple[bytes, bytes]:
+    """A key made here and its certificate for the gateway peer `peer_name` (`peer_tls_name`), valid `days`:
+    it serves the peers' door and connects to the other gateways'. (key PEM, certificate PEM)"""
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _sign_leaf(ca, [peer_tls_name(peer_name)], days, usages)
+
+
+def _sign_leaf(
+    ca: CertificateAuthority, names: list[str], days: int, usages: list[x509.ObjectIdentifier]
+) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     alt: list[x509.GeneralName] = []
     for name in dict.fromkeys(names):
@@ -165,9 +229,7 @@ def sign_server(ca: CertificateAuthority, names: list[str], days: int) -> tuple[
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(alt), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
         .sign(ca.key, hashes.SHA256())
     )

@@ -10,6 +10,7 @@ import hashlib
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -19,11 +20,25 @@ from cryptography import x509
 from fleet.core import paths
 from fleet.core.config import ConfigError, Settings
 from fleet.core.files import write_public
-from fleet.core.tls import CertificateAuthority, sign_server
+from fleet.core.tls import CertificateAuthority, load_certificate, peer_tls_name, sign_peer, sign_server
 
 SOCKET_PATH_MAX = 90  # of a Unix socket's 108 bytes: HAProxy adds ".<pid>.tmp" while it binds
 CERTIFICATE_DAYS = 90
 RENEW_WITHIN = dt.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class GatewayCa:
+    """fleet's CA as a gateway needs it: its certificate always (hosts and peers are verified against it), its
+    key only to sign a certificate the gateway was given none of (`signer` is asked then, and only then: a
+    gateway's machine given its certificates needs no CA key)."""
+
+    certificate_path: Path
+    signer: Callable[[], CertificateAuthority]
+
+    @classmethod
+    def of(cls, ca: CertificateAuthority) -> GatewayCa:
+        return cls(ca.certificate_path, lambda: ca)
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,11 @@ class GatewayFiles:
     @property
     def pem(self) -> Path:
         return self.directory / "endpoint.pem"  # certificate chain and key, as HAProxy reads them
+
+    @property
+    def peer_pem(self) -> Path:
+        # the peers' door's certificate chain and key: fleet's CA alone vouches for it, for this peer's name
+        return self.directory / "peer.pem"
 
     @property
     def agent_map(self) -> Path:
@@ -130,7 +150,7 @@ def files_for(settings: Settings) -> GatewayFiles:
     return GatewayFiles(Path(os.path.expanduser(directory)) if directory else paths.state_dir() / "gateway")
 
 
-def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -> None:
+def prepare(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
     """The folder, its certificate (the user's, or one fleet's CA signs), the Lua (admission, observation), the
     maps' empty files."""
     files.directory.mkdir(parents=True, exist_ok=True)
@@ -142,7 +162,17 @@ def prepare(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -
         write_public(lua, resources.files("fleet.gateway").joinpath(lua.name).read_bytes())
     for map_file in (files.agent_map, files.host_map, files.name_map, files.calls_map):
         write_public(map_file, b"")
+    certificates(files, settings, ca)
+
+
+def certificates(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> list[Path]:
+    """The agents' door's certificate and, with peers, the peers' door's: those given read again, those fleet
+    makes signed anew when they near their end (or their names changed). The files whose bytes changed."""
+    before = {p: p.read_bytes() for p in (files.pem, files.peer_pem) if p.exists()}
     _certificate(files, settings, ca)
+    if settings.gateway.peers:
+        _peer_certificate(files, settings, ca)
+    return [p for p in (files.pem, files.peer_pem) if p.exists() and before.get(p) != p.read_bytes()]
 
 
 def endpoint_names(settings: Settings) -> list[str]:
@@ -151,23 +181,46 @@ def endpoint_names(settings: Settings) -> list[str]:
     return ["localhost", "127.0.0.1", *([] if unspecified else [listen]), *settings.gateway.names]
 
 
-def _certificate(files: GatewayFiles, settings: Settings, ca: CertificateAuthority) -> None:
-    g = settings.gateway
-    if g.certificate_file or g.key_file:
-        if not (g.certificate_file and g.key_file):
-            raise ConfigError(f"{settings.source}: gateway.certificate_file and gateway.key_file go together")
-        try:
-            chain = Path(os.path.expanduser(g.certificate_file)).read_bytes()
-            key = Path(os.path.expanduser(g.key_file)).read_bytes()
-        except OSError as e:
-            raise ConfigError(f"{settings.source}: gateway certificate: {e.filename}: {e.strerror}") from None
-        _write_pem(files.pem, chain, key)
+def _certificate(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
+    given = _given(settings, "certificate_file", "key_file")
+    if given is not None:
+        _write_pem(files.pem, *given)
         return
     names = endpoint_names(settings)
     if _still_good(files.pem, names, ca):
         return
-    key, certificate = sign_server(ca, names, CERTIFICATE_DAYS)
+    key, certificate = sign_server(ca.signer(), names, CERTIFICATE_DAYS)
     _write_pem(files.pem, certificate, key)
+
+
+def _peer_certificate(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
+    """The certificate this gateway shows its peers, and with which it connects to theirs: its peer name in
+    fleet's own domain, for serving and for connecting; no host's certificate holds such a name or may connect."""
+    given = _given(settings, "peer_certificate_file", "peer_key_file")
+    if given is not None:
+        _write_pem(files.peer_pem, *given)
+        return
+    name = peer_tls_name(settings.gateway.peer_name)
+    if _still_good(files.peer_pem, [name], ca):
+        return
+    key, certificate = sign_peer(ca.signer(), settings.gateway.peer_name, CERTIFICATE_DAYS)
+    _write_pem(files.peer_pem, certificate, key)
+
+
+def _given(settings: Settings, certificate_key: str, key_key: str) -> tuple[bytes, bytes] | None:
+    """A certificate chain and key the configuration names (both, or neither), read; None when it names none."""
+    certificate_file, key_file = getattr(settings.gateway, certificate_key), getattr(settings.gateway, key_key)
+    if not (certificate_file or key_file):
+        return None
+    if not (certificate_file and key_file):
+        raise ConfigError(f"{settings.source}: gateway.{certificate_key} and gateway.{key_key} go together")
+    try:
+        return (
+            Path(os.path.expanduser(certificate_file)).read_bytes(),
+            Path(os.path.expanduser(key_file)).read_bytes(),
+        )
+    except OSError as e:
+        raise ConfigError(f"{settings.source}: gateway.{certificate_key}: {e.filename}: {e.strerror}") from None
 
 
 def _write_pem(path: Path, chain: bytes, key: bytes) -> None:
@@ -178,12 +231,9 @@ def _write_pem(path: Path, chain: bytes, key: bytes) -> None:
     os.replace(partial, path)
 
 
-def _still_good(pem: Path, names: list[str], ca: CertificateAuthority) -> bool:
-    try:
-        certificate = x509.load_pem_x509_certificate(pem.read_bytes())
-    except (OSError, ValueError):
-        return False
-    if certificate.issuer != ca.certificate.subject:
+def _still_good(pem: Path, names: list[str], ca: GatewayCa) -> bool:
+    certificate, authority = load_certificate(pem), load_certificate(ca.certificate_path)
+    if certificate is None or authority is None or certificate.issuer != authority.subject:
         return False
     if certificate.not_valid_after_utc - dt.datetime.now(dt.UTC) < RENEW_WITHIN:
         return False

@@ -24,6 +24,7 @@ import json
 from urllib.parse import urlsplit
 
 from fleet.core.config import Settings
+from fleet.core.tls import peer_tls_name
 from fleet.gateway.files import GatewayFiles
 from fleet.gateway.targets import Target
 
@@ -231,14 +232,19 @@ def _overflow(settings: Settings, target: Target) -> list[str]:
 
 
 def _peers(settings: Settings, files: GatewayFiles, ca_file: str) -> list[str]:
+    """The peers' door takes a client only with a certificate of fleet's CA made for connecting (a gateway's:
+    a host's serves alone), and each peer is reached only if its certificate names that peer."""
     g = settings.gateway
     lines = ["peers fleet"]
     for peer in g.peers:
         name, address = peer.split("=", 1)
         if name == g.peer_name:
-            lines.append(f"  bind {address} ssl crt {files.pem} ca-file {ca_file} verify required")
-    lines.append(f"  default-server ssl verify required ca-file {ca_file} crt {files.pem}")
+            lines.append(f"  bind {address} ssl crt {files.peer_pem} ca-file {ca_file} verify required")
+    lines.append(f"  default-server ssl verify required ca-file {ca_file} crt {files.peer_pem}")
     for peer in g.peers:
         name, address = peer.split("=", 1)
-        lines.append(f"  server {name}" if name == g.peer_name else f"  server {name} {address}")
+        if name == g.peer_name:
+            lines.append(f"  server {name}")
+        else:
+            lines.append(f"  server {name} {address} sni str({peer_tls_name(name)}) verifyhost {peer_tls_name(name)}")
     return [*lines, ""]

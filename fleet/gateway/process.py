@@ -15,8 +15,7 @@ from pathlib import Path
 from fleet.core.config import Settings
 from fleet.core.errors import BadInput, FleetError
 from fleet.core.files import write_public
-from fleet.core.tls import CertificateAuthority
-from fleet.gateway.files import GatewayFiles, prepare
+from fleet.gateway.files import GatewayCa, GatewayFiles, prepare
 from fleet.gateway.haproxy import render
 from fleet.gateway.targets import Target
 
@@ -50,9 +49,7 @@ def running_pid(files: GatewayFiles) -> int | None:
     return pid if str(files.config).encode() in cmdline else None
 
 
-def write_configuration(
-    files: GatewayFiles, settings: Settings, targets: list[Target], ca: CertificateAuthority
-) -> None:
+def write_configuration(files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa) -> None:
     prepare(files, settings, ca)
     for target in targets:
         models = {
@@ -63,7 +60,7 @@ def write_configuration(
     write_public(files.config, render(settings, targets, files, str(ca.certificate_path)).encode())
 
 
-async def start(files: GatewayFiles, settings: Settings, targets: list[Target], ca: CertificateAuthority) -> int:
+async def start(files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa) -> int:
     """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers.
 
     HAProxy runs in the foreground of a session of its own, its standard output appended to the access log

@@ -60,6 +60,20 @@ class Runtime:
             raise RuntimeApiError(f"HAProxy refused `{' '.join(command.split()[:3])} ...`: {refusal(text)}")
         return text
 
+    async def replace_certificate(self, path: Path, pem: bytes) -> None:
+        """Give HAProxy new bytes for a certificate it loaded from `path` (chain and key, PEM), taken by every
+        new handshake at once: no restart, no call dropped."""
+        text = pem.decode("ascii").strip()
+        if "\n\n" in text:
+            raise RuntimeApiError(f"{path}: a PEM with an empty line cannot go through the admin socket")
+        said = await self.must(f"{checked('set', 'ssl', 'cert', str(path))} <<\n{text}\n")
+        if "Transaction" not in said:
+            raise RuntimeApiError(f"HAProxy did not take the certificate for {path}: {said.strip()[:200]}")
+        said = await self.must(checked("commit", "ssl", "cert", str(path)))
+        if "Success" not in said:
+            await self.run(checked("abort", "ssl", "cert", str(path)))
+            raise RuntimeApiError(f"HAProxy did not commit the certificate for {path}: {said.strip()[:200]}")
+
     async def _send(self, line: str) -> str:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(self.socket)), TIMEOUT_S)

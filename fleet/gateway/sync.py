@@ -84,7 +84,7 @@ async def _slot(
     held = None
     if inside is not None and not inside.in_maintenance:
         held = (maps.names.get(section), inside.address, inside.port)
-    wanted = (member.host, member.address, member.port) if member is not None else None
+    wanted = (member.tls_name, member.address, member.port) if member is not None else None
     if held != wanted:
         if door is not None and not door.in_maintenance:
             await runtime.must(checked("set", "server", front, "state", "maint"))
@@ -106,7 +106,7 @@ async def _slot(
         return
     for map_file, entries, value in (
         (files.host_map, maps.keys, member.key),
-        (files.name_map, maps.names, member.host),
+        (files.name_map, maps.names, member.tls_name),
     ):
         if entries.get(section) != value:
             verb = "set" if section in entries else "add"

@@ -42,7 +42,8 @@ class Target:
 @dataclass(frozen=True)
 class Member:
     slot: int
-    host: str  # its name: what its certificate's common name says
+    host: str  # its name
+    tls_name: str  # the name its certificate holds, which HAProxy sends as SNI and checks
     address: str
     port: int
     streams: int  # concurrent streams it takes: the speakers its bench held at the voice target, or its slots
@@ -103,6 +104,7 @@ def _member(ctx: Context, host: Host, slot: int, run: BenchRun | None) -> Member
     return Member(
         slot=slot,
         host=host.name,
+        tls_name=host.tls_name or host.name,  # signed before names: its common name, which HAProxy then checks
         address=address,
         port=port,
         streams=streams,

@@ -21,7 +21,7 @@ import asyncssh
 import httpx
 
 from fleet.context import Context
-from fleet.core import failpoints
+from fleet.core import failpoints, tls
 from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.keys import new_host_key
@@ -255,16 +255,19 @@ class BringUp:
         assert service is not None
         self.ctx.record.update(self.host, api_key_nonce=new_nonce(), api_key=None)
         api_url = certificate.https_url(service[0], service[1])
+        certificate.refuse_held(self.ctx, self.host, api_url)
         async with self.ctx.waits.on("server"):
             certificate_until = certificate.lifetime_end(self.host.contract_end_at)
             await certificate.install(self.conn, self.ctx.ca, service[0], self.host.name, certificate_until)
-            self.ctx.record.update(self.host, certificate_until=certificate_until)
+            self.ctx.record.update(
+                self.host, certificate_until=certificate_until, tls_name=tls.host_tls_name(self.host.name)
+            )
             await hostops.start_server(
                 self.conn,
                 self.profile,
                 SERVICE_PORT,
                 self.files,
-                Server(api_url, self.ctx.api_key(self.host), self.ctx.tls),
+                Server(api_url, self.ctx.api_key(self.host), self.ctx.tls, self.host.tls_name),
                 self.ctx.settings.timeouts.load,
                 await profiles.chat_template(self.ctx, self.profile) if self.profile.chat_template else None,
             )

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+from urllib.parse import urlsplit
 
 import asyncssh
 
+from fleet.context import Context
 from fleet.core import tls
+from fleet.core.models import Host, HostState
 from fleet.engines import RUN_DIR
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run
@@ -26,6 +29,21 @@ def https_url(address: str, port: int) -> str:
     except ValueError:
         raise PhaseFailed("start", f"the marketplace gave {address[:60]!r}, not an IP address") from None
     return f"https://[{ip}]:{port}" if ip.version == 6 else f"https://{ip}:{port}"
+
+
+def refuse_held(ctx: Context, host: Host, api_url: str) -> None:
+    """A host's server must be at an address and port of its own: one another open host serves at (a listing
+    that names another host's place), or the gateway's own door, gets no certificate from fleet's CA."""
+    live = tuple(s for s in HostState if s not in (HostState.FAILED, HostState.DESTROYING, HostState.DESTROYED))
+    for other in ctx.record.hosts(states=live):
+        if other.id != host.id and other.api_url == api_url:
+            raise PhaseFailed("start", f"the marketplace gave {api_url}, where host {other.name} serves")
+    parts = urlsplit(api_url)
+    gateway = ctx.settings.gateway
+    gateway_addresses = {gateway.listen, *gateway.names}
+    gateway_ports = {t.port or gateway.port + i for i, t in enumerate(ctx.settings.serve)}
+    if parts.hostname in gateway_addresses and parts.port in gateway_ports:
+        raise PhaseFailed("start", f"the marketplace gave {api_url}, the gateway's own door")
 
 
 def lifetime_end(contract_end: dt.datetime | None, now: dt.datetime | None = None) -> dt.datetime:

@@ -227,7 +227,12 @@ class Cloud(Power, SshKeys):
 
     def row(self, inst: Instance, now: float) -> dict[str, Any]:
         """The instance as vast.ai's show-instance answers it, now."""
-        return rows.instance_row(inst, self._heartbeat(inst, now) or inst.status, self.credit(), now)
+        row = rows.instance_row(inst, self._heartbeat(inst, now) or inst.status, self.credit(), now)
+        other = self.state.instances.get(self.faults.lying_ports.get(inst.machine_id, -1))
+        if other is not None and row["ports"]:  # its listing names another instance's ports but its SSH
+            lent = {k: v for k, v in rows.listed_ports(other).items() if not k.startswith("22/")}
+            row["ports"] = {**row["ports"], **lent}
+        return row
 
     def manage(self, instance_id: int, body: Any) -> dict[str, Any]:
         inst = self.state.instances.get(instance_id)

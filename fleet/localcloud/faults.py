@@ -96,6 +96,9 @@ class Faults:
     pull_stall: PullStall | None = None
     offline_after_s: dict[int, float] = field(default_factory=dict)  # machine -> its network goes, for good
     host_key_change: list[int] = field(default_factory=list)  # machines whose SSH host key is made anew now
+    # machine -> the instance whose published ports its listing names instead of its own (a lying listing: the
+    # marketplace's word for where a host serves is all fleet has)
+    lying_ports: dict[int, int] = field(default_factory=dict)
     # machines whose sshd never takes the host key the create call's onstart installs: someone else answers
     foreign_host_key: list[int] = field(default_factory=list)
     freeze_server: list[int] = field(
@@ -140,6 +143,7 @@ class Faults:
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,
             offline_after_s={int(k): float(v) for k, v in data.get("offline_after_s", {}).items()},
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
+            lying_ports={int(k): int(v) for k, v in data.get("lying_ports", {}).items()},
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],

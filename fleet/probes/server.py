@@ -20,16 +20,25 @@ class Server:
     api_key: str | None = None
     # fleet's CA for a host (fleet/core/tls.py); None: the system's roots, which no fleet host is signed by
     tls: ssl.SSLContext | None = None
+    # the name its certificate must hold (a host's own, core/tls.py host_tls_name); None: the URL's address
+    tls_name: str | None = None
 
     def without_key(self) -> Server:
         return replace(self, api_key=None)
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        """An HTTP client for this server: its key on every request, its certificate checked."""
+        """An HTTP client for this server: its key on every request, its certificate checked (for `tls_name`
+        where it has one, sent as SNI and verified, while the connection goes to the URL's address)."""
         headers = {"Accept-Encoding": "identity"}  # what a host sends is read as sent: no decompression bomb
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        if self.tls_name:
+            hooks = kwargs.setdefault("event_hooks", {}).setdefault("request", [])
+            hooks.append(self._name_the_host)
         return httpx.AsyncClient(base_url=self.url, headers=headers, verify=self.tls or True, **kwargs)
+
+    async def _name_the_host(self, request: httpx.Request) -> None:
+        request.extensions["sni_hostname"] = self.tls_name
 
 
 class ReplyTooLarge(httpx.HTTPError):

@@ -143,6 +143,7 @@ class Connection:
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.api_key = server.api_key
+        self.tls_name = server.tls_name or self.host  # what its certificate must name
         self.tls: ssl.SSLContext | None = None
         if parts.scheme == "https":
             self.tls = server.tls or ssl.create_default_context()
@@ -172,7 +173,7 @@ class Connection:
         tls_ms = None
         if self.tls is not None:
             try:
-                await writer.start_tls(self.tls, server_hostname=self.host)
+                await writer.start_tls(self.tls, server_hostname=self.tls_name)
             except (ssl.SSLError, ConnectionError) as e:
                 writer.close()
                 raise StreamError(f"TLS with {self.host}:{self.port} failed: {e}") from None

@@ -100,3 +100,22 @@ async def test_a_server_that_never_answers_health(cloud, tmp_path):
         result = await fleet.up(UpRequest("tiny", "eu"))
         await assert_next_offer_served(fleet, result, machine, "start", "timeouts.load", within_s=30)
         await fleet.destroy(None)
+
+
+async def test_a_listing_that_names_another_hosts_place_gets_no_certificate_there(cloud, tmp_path):
+    """A machine whose listing names the ports of a host fleet already serves on: fleet's CA signs nothing for
+    that place (the liar's certificate would name it), the machine is left for the next offer, and the host that
+    serves there is untouched."""
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        first = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        machine = await first_machine(settings)  # the next machine fleet would rent
+        cloud.set_faults({"lying_ports": {machine: first.instance_id}})
+        try:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+        finally:
+            cloud.set_faults({})
+        await assert_next_offer_served(fleet, result, machine, "start", f"where host {first.name} serves", 60)
+        [smoke] = await fleet.probe(first.name, only=["smoke"])
+        assert smoke.passed, smoke.diagnosis
+        await fleet.destroy(None)
