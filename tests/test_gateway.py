@@ -202,8 +202,15 @@ async def test_each_call_stays_on_its_host_for_twenty_turns_and_its_turns_are_wa
     assert table["bob/call-a"]["server_id"] != table["bob/call-b"]["server_id"]  # one host each: the most free first
     after = await served_by_host(gw)
     assert sorted(after[h] - before.get(h, 0) for h in after) == [20, 20]  # every turn on its call's host
-    for call, hits in cached.items():
-        assert all(n > 0 for n in hits[1:]), f"{call}: a later turn found nothing cached: {hits}"
+    # what a host took from its cache is fleet's to read, never the agent's (a slot may hold another call's
+    # prompt): the agent sees 0, the gateway's own counts and its access log the host's numbers
+    assert all(n == 0 for hits in cached.values() for n in hits), cached
+    logged = [
+        dict(f.split("=", 1) for f in line.split())
+        for line in files_for(gw.settings).access_log.read_text().splitlines()
+    ]
+    turns = [line for line in logged if line.get("agent") == "bob" and line.get("admit") == "turn"]
+    assert len(turns) == 38 and all(int(line["cached_tokens"]) > 0 for line in turns), turns
     # what the agents felt, per host: 20 answers timed, 19 warm turns, each of them a cache hit, and the
     # daemon's metrics say the same
     # admission saw each call's first turn as new and the other 19 as turns of a call whose host lives
@@ -431,6 +438,23 @@ async def test_a_revoked_key_is_refused_at_once(gw, module_dir):
         assert json.loads(revoked.stdout) == {"name": "dave", "revoked": 1}
         refused = await c.post(CHAT, json=turn("hi"))  # the next request, no wait
         assert refused.status_code == 401
+    # a stream already running when its key is revoked ends then, not when its reply is done
+    key = await gateway.add_key(gw, "dave-2")
+    async with client(gw, key) as c:
+        events: list[str] = []
+        ended = "done"
+        long_reply = turn("tell me a long story", max_tokens=4000, stream=True, ignore_eos=True)
+        try:
+            async with c.stream("POST", CHAT, json=long_reply) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 5:
+                            await gateway.revoke_key(gw, "dave-2")
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            ended = "cut"
+        assert (ended == "cut" or events[-1] != "[DONE]") and 5 <= len(events) < 4000 // 2, (ended, len(events))
         again = subprocess.run(
             [".venv/bin/fleet", "gateway", "key", "revoke", "dave", "--json"], env=env, capture_output=True, text=True
         )

@@ -104,6 +104,16 @@ async def test_two_gateways_on_one_record_agree_on_every_calls_host(cloud, local
                 }
                 assert sum(moved.values()) - sum(before.values()) == len(calls)
                 assert {slot: per_slot[slot] for slot in expected} == expected
+                # a key revoked through a is refused by b within moments, before any sync of b's: the peers
+                # carry the revocation
+                await gateway.revoke_key(a, "agent")
+                answers = []
+                for _ in range(100):
+                    answers.append((await clients["b"].post(CHAT, json=first_turn("after"))).status_code)
+                    if answers[-1] == 401:
+                        break
+                    await asyncio.sleep(0.05)
+                assert answers[-1] == 401, answers
             finally:
                 for c in clients.values():
                     await c.aclose()

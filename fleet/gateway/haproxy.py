@@ -28,6 +28,7 @@ from fleet.core.tls import peer_tls_name
 from fleet.gateway.files import GatewayFiles
 from fleet.gateway.targets import Target
 
+REVOKED = "revoked_keys"  # observe.lua reads this table by its name
 BUFFER_BYTES = 262_144  # a request body is read whole before a host is chosen: the largest one allowed fits
 STICK_ENTRIES = 200_000
 # the intermediate profile of Mozilla's server-side TLS guidelines, less the DHE suites (no DH parameters here)
@@ -88,6 +89,11 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
             "  http-request return status 404",
             "",
         ]
+    lines += [
+        f"backend {REVOKED}",  # the agents' keys revoked (their SHA-256): refused, and their streams ended
+        f"  stick-table type string len 64 size 100k expire 24d store gpc0{' peers fleet' if g.peers else ''}",
+        "",
+    ]
     for target in targets:
         lines += _frontend(settings, target, files)
         lines += _backend(settings, target, files, ca_file)
@@ -110,10 +116,11 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         f'  error-log-format "at=%Ts.%ms target={target.alias} client=%ci status=- connection_error=%[fc_err]"',
         f"  http-request return {_error(404, 'not_found', 'only /v1/chat/completions and /v1/models are served')}"
         " unless { path /v1/chat/completions /v1/models }",
-        '  http-request set-var(txn.agent) req.hdr(authorization),regsub("^Bearer ",""),sha2(256),hex,lower,'
-        f"map({files.agent_map})",
+        '  http-request set-var(txn.agent_key) req.hdr(authorization),regsub("^Bearer ",""),sha2(256),hex,lower',
+        f"  http-request set-var(txn.agent) var(txn.agent_key),map({files.agent_map})",
+        # a key revoked on any gateway (its peers carry the revocation at once) is refused before the next sync
         f"  http-request return {_error(401, 'invalid_request_error', 'no valid agent key')}"
-        " if !{ var(txn.agent) -m found }",
+        f" if !{{ var(txn.agent) -m found }} || {{ var(txn.agent_key),table_gpc0({REVOKED}) gt 0 }}",
         f"  http-request return status 200 content-type application/json file {files.models(target.index)}"
         " if { path /v1/models } METH_GET",
         f"  http-request return {_error(405, 'invalid_request_error', 'GET /v1/models, POST /v1/chat/completions')}"
@@ -166,6 +173,8 @@ def _access_log_format(target: Target, files: GatewayFiles) -> str:
         "connect_ms": "%Tc",
         "response_ms": "%Tr",
         "first_content_ms": "%[var(txn.first_content_ms)]",
+        "cached_tokens": "%[var(txn.cached_tokens)]",  # the prompt tokens the host took from its cache
+        "processed_tokens": "%[var(txn.processed_tokens)]",  # and those it processed
         "total_ms": "%Ta",
         "bytes_out": "%B",
         "end": "%tsc",

@@ -10,6 +10,8 @@
 -- timings, and a count of more than 9 digits is not a count.
 
 local BUCKETS_MS = { 10, 25, 50, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000, 10000 }
+local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+local agent_keys = Map.new(here .. "agent-keys.map", Map._str)  -- a key's SHA-256 -> its agent, while live
 local TAIL_BYTES = 2048
 
 -- "backend server" -> { buckets = {...}, count, sum_ms, warm, warm_cached, cached_tokens, processed_tokens }
@@ -31,6 +33,12 @@ local function entry(backend, server)
     seen[key] = e
   end
   return e
+end
+
+-- a count made 0, padded with spaces to its length (JSON allows them after a value): a reply whose length is
+-- declared keeps it
+local function hide(name, digits)
+  return name .. "0" .. string.rep(" ", #digits - 1)
 end
 
 local function count_of(text, name)
@@ -56,8 +64,20 @@ function Observe:start_analyze(txn, chn)
   end
 end
 
+-- a key revoked since its stream began (out of this gateway's map, or marked revoked by any gateway: peers
+-- share the table): its streams end at their next piece, and the host stops working for it
+local function revoked(key)
+  if agent_keys:lookup(key) == nil then
+    return true
+  end
+  local table = core.backends["revoked_keys"]
+  local entry = table ~= nil and table.stktable ~= nil and table.stktable:lookup(key) or nil
+  return entry ~= nil and (tonumber(entry.gpc0) or 0) > 0
+end
+
 function Observe:http_headers(txn, msg)
   if msg.channel:is_resp() then
+    self.key = txn:get_var("txn.agent_key")
     local line = msg:get_stline()
     self.status = line and tonumber(line.code)
     filter.register_data_filter(self, msg.channel)
@@ -65,6 +85,10 @@ function Observe:http_headers(txn, msg)
 end
 
 function Observe:http_payload(txn, msg)
+  if self.key ~= nil and revoked(self.key) then
+    error("the key of this stream was revoked")
+    return
+  end
   local body = msg:body()
   if body == nil or #body == 0 then
     return
@@ -75,6 +99,14 @@ function Observe:http_payload(txn, msg)
   -- the last two pieces, kept as they came (a stream's timings ride its last event, before [DONE]): joined
   -- once at the end, never per piece, which would cost every token a copy
   self.before, self.last = self.last, body
+  -- what the host took from its cache is fleet's to read, not the agent's: a slot may hold another call's
+  -- prompt, and a count of the tokens that matched it would tell how much of a guessed transcript is right
+  if body:find("cache", 1, true) then
+    local blind = body:gsub('("cache_n":)(%d+)', hide):gsub('("cached_tokens":)(%d+)', hide)
+    if blind ~= body then
+      msg:set(blind)
+    end
+  end
 end
 
 function Observe:http_end(txn, msg)
@@ -92,10 +124,14 @@ function Observe:http_end(txn, msg)
     e.sum_ms = e.sum_ms + self.first_ms
     txn:set_var("txn.first_content_ms", math.floor(self.first_ms))  -- the access log's
   end
+  local tail = (self.before or "") .. (self.last or "")
+  tail = tail:sub(-TAIL_BYTES)
+  local cached, processed = count_of(tail, "cache_n"), count_of(tail, "prompt_n")
+  if cached ~= nil and processed ~= nil then  -- the access log's (the agent sees cache_n as 0)
+    txn:set_var("txn.cached_tokens", cached)
+    txn:set_var("txn.processed_tokens", processed)
+  end
   if txn:get_var("txn.admit") == "turn" then
-    local tail = (self.before or "") .. (self.last or "")
-    tail = tail:sub(-TAIL_BYTES)
-    local cached, processed = count_of(tail, "cache_n"), count_of(tail, "prompt_n")
     e.warm = e.warm + 1
     if cached ~= nil and cached > 0 then
       e.warm_cached = e.warm_cached + 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fleet.context import Context
 from fleet.core.gatewayrecord import agent_keys
 from fleet.gateway.files import GatewayFiles
+from fleet.gateway.haproxy import REVOKED
 from fleet.gateway.runtime import Runtime, ServerState, checked
 from fleet.gateway.targets import Member, Target, members
 
@@ -60,6 +61,9 @@ async def _agents(ctx: Context, runtime: Runtime, files: GatewayFiles, report: S
     desired = {k.sha256: k.name for k in agent_keys(ctx.record)}
     current = await runtime.map_entries(files.agent_map)
     for digest in current.keys() - desired.keys():
+        # revoked: marked first in the table the peers share (every gateway refuses it, and ends its streams, at
+        # once), then out of this one's map
+        await runtime.must(checked("set", "table", REVOKED, "key", digest, "data.gpc0", "1"))
         await runtime.must(checked("del", "map", str(files.agent_map), digest))
     for digest in desired.keys() - current.keys():
         await runtime.must(checked("add", "map", str(files.agent_map), digest, desired[digest]))
