@@ -32,6 +32,7 @@ from fleet.core.ownership import process_owner
 from fleet.core.record import Record, open_database
 from fleet.core.tls import CertificateAuthority, client_context, ensure_ca, load_certificate, public_key_sha256
 from fleet.localcloud import control as local_cloud
+from fleet.market.pacing import Pace
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from fleet.plan.gguf import GgufHeader
@@ -150,13 +151,19 @@ class Context:
         # whether this machine's gateway is the agents' door to a host (its key then stays out of the endpoints
         # file): app.py asks the gateway, which the host steps cannot import
         self.gateway_serves: Callable[[Host], bool] = lambda host: False
+        self.permissions_checked = False  # the marketplace key's permissions, read once a process (control/up.py)
 
     @property
     def market(self) -> VastMarket:
         if self._market is None:
             endpoint = resolve(self.settings, self.reporter)
+            provider = self.settings.provider
             self._market = VastMarket(
-                endpoint.url, endpoint.api_key, timeout_s=self.settings.provider.request_timeout_s
+                endpoint.url,
+                endpoint.api_key,
+                timeout_s=provider.request_timeout_s,
+                budget=self._reserve_call,
+                rate_limited_wait_s=provider.rate_limited_wait_s,
             )
             self._hub_url = self._hub_url or self.settings.hub_url(endpoint.local_cloud_url).rstrip("/")
         return self._market
@@ -186,6 +193,15 @@ class Context:
     @watch.setter
     def watch(self, watch: InstanceWatch) -> None:
         self._watch = watch
+
+    async def _reserve_call(self, endpoint: str, pace: Pace) -> float:
+        """Seconds until this install's next call to the marketplace's `endpoint` may start: reserved in the record,
+        which every process of the install (the daemon, the commands beside it) draws on."""
+        assert self._market is not None
+        key = f"{endpoint} {self._market.url}"
+        now = time.time()
+        start = await asyncio.to_thread(self.record.reserve_market_call, key, pace.interval_s, pace.per_minute, now)
+        return start - time.time()
 
     @property
     def ssh_key(self) -> SshKey:

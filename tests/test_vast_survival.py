@@ -140,7 +140,7 @@ async def test_a_429_storm_is_retried_within_bounds_and_logged(cloud, tmp_path, 
         assert sum(fleet.market.pacer.counters.retries.values()) > 0
         cloud.set_faults({})
         await fleet.destroy(None)
-    assert any("rate limited (429); retry" in r.getMessage() for r in caplog.records)
+    assert any("rate limited (429, 1 in a row); retry" in r.getMessage() for r in caplog.records)
 
 
 def test_a_spent_search_quota_stops_with_one_line_and_buys_nothing(cloud, tmp_path):

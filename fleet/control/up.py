@@ -85,6 +85,7 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
     result = UpResult(run_id=run_id)
     await profiles.check_template(ctx, profile)
     image_login(ctx.settings.provider)  # a private image's token is at hand before anything is rented
+    await check_permissions(ctx)
     funnel = await offers.search(ctx, request.model, request.region, request.max_price, exclude_unusable=True)
     ranked = [offer for offer, _ in offers.rank(ctx, profile, funnel.passed, request.by_price, funnel.pull_gb)]
     if request.dry_run:
@@ -194,6 +195,22 @@ async def bring_up_one(
         last_reason = report.reason or last_reason
         ctx.reporter.info(host.name, f"failed in {report.phase}: {report.reason}; trying the next offer")
     return f"gave up after {ctx.settings.up.max_attempts} attempts (last: {last_reason})"
+
+
+async def check_permissions(ctx: Context) -> None:
+    """Once a process: the API key may do what renting needs, or one line names every permission it lacks (a
+    scoped key's search fails without `misc`, which the permissions page lists apart from the instance ones)."""
+    if ctx.permissions_checked:
+        return
+    async with ctx.waits.on("market"):
+        missing = await ctx.market.missing_permissions()
+    if missing:
+        lacks = "; ".join(f"{name} ({why})" for name, why in missing.items())
+        raise AuthError(
+            f"the API key lacks {lacks}: give it misc, instance_read, instance_write and user_read (user_write too,"
+            " to register fleet's SSH key on the account); nothing was created"
+        )
+    ctx.permissions_checked = True
 
 
 async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request: UpRequest, offer: Offer) -> Host:

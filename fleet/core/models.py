@@ -291,6 +291,17 @@ class Install(SQLModel, table=True):
     ca_sha256: str | None = None
 
 
+class MarketPace(SQLModel, table=True):
+    """When this install may next call one marketplace endpoint (epoch seconds), and the start times of its
+    latest calls where the endpoint counts calls a minute: every process of the install reserves from it."""
+
+    __tablename__ = "market_pace"
+
+    key: str = Field(primary_key=True)  # the endpoint and the marketplace's URL
+    next_at: float = 0.0
+    recent: str = "[]"  # JSON: epoch seconds of the calls within the last minute
+
+
 class AgentKey(SQLModel, table=True):
     """A voice agent's key to the gateway: its SHA-256 alone is kept (the key is shown once, at `add`)."""
 

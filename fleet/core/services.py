@@ -41,6 +41,9 @@ class Provider(Strict):
     # How long one request to the marketplace may take. A create that times out is never sent again: its
     # instance, if any, is found by its label.
     request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
+    # how long one request waits out the marketplace's 429s (Retry-After honoured) before it fails; a bring-up
+    # phase's own deadline ends the wait sooner, and blames no machine for it
+    rate_limited_wait_s: Annotated[float, Field(gt=0, le=3600)] = 600
     # A private image: the registry user, and the environment variable holding its token (vast.ai pulls
     # with `-u USER -p TOKEN REGISTRY`; the token goes only into the create call, never into a log).
     registry_user: Annotated[str, Field(pattern=r"^[^\s]*$", max_length=256)] = ""

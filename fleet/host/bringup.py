@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -35,7 +36,17 @@ from fleet.host.instance import wait_running, wait_stopped
 from fleet.host.measure import probe_host
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, connect
-from fleet.market import AuthError, CreateFailed, CreditSpent, Instance, InstanceSpec, MarketError, Offer, OfferGone
+from fleet.market import (
+    AuthError,
+    CreateFailed,
+    CreditSpent,
+    Instance,
+    InstanceSpec,
+    MarketError,
+    Offer,
+    OfferGone,
+    RateLimited,
+)
 from fleet.plan.memory import MIB, card_problem
 from fleet.probes import ProbeResult
 from fleet.probes.server import Server
@@ -87,11 +98,20 @@ class BringUp:
                 limit = getattr(timeouts, timeout) if timeout else None
                 if phase.name == "pull" and not self.resume:
                     limit = self.pull_limit_s = await profiles.pull_deadline(self.ctx, self.host, self.profile)
+                began = time.monotonic()
                 try:
                     async with asyncio.timeout(limit + GRACE_S if limit else None):
                         await phase.run(self)
                 except TimeoutError:
-                    raise PhaseFailed(phase.name, f"not done after {limit:g}s (timeouts.{timeout})") from None
+                    reason = f"not done after {limit:g}s (timeouts.{timeout})"
+                    if self.ctx.market.pacer.counters.rate_limited_since(began):
+                        # the marketplace kept refusing fleet's calls meanwhile: no sign of this machine's
+                        raise PhaseFailed(
+                            phase.name, f"{reason}, the marketplace rate-limiting", blacklist=False
+                        ) from None
+                    raise PhaseFailed(phase.name, reason) from None
+                except RateLimited as e:
+                    raise PhaseFailed(phase.name, str(e), blacklist=False) from None
                 except (asyncssh.Error, OSError, httpx.HTTPError, RemoteError) as e:
                     # the host went away under us (connection lost, reset, refused): this machine failed here
                     raise PhaseFailed(phase.name, f"{type(e).__name__}: {e}") from None

@@ -76,7 +76,10 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                     response = json_response(refusal.body, refusal.status)
                     response.headers.update(refusal.headers)
                     return response
-            if api and not path.startswith(PUBLIC_PATHS):
+            # a public path takes a request with no key; one that names a key is held to that key's permissions
+            # (a scoped key without `misc` may not search offers)
+            named = "Authorization" in request.headers or "api_key" in request.query
+            if api and (named or not path.startswith(PUBLIC_PATHS)):
                 _check_auth(request, cloud.api_key, cloud.faults.scoped_keys)
             late = vast and cloud.dice.fire(cloud.faults.slow, path)
             response = await handler(request)
@@ -237,6 +240,8 @@ def _identity(request: web.Request) -> tuple[str, str]:
 # The permission each endpoint needs of a scoped key (vast-cli's scripts/data/api_scopes.json; the docs'
 # permissions page). The account's own key has them all.
 PERMISSIONS = {
+    ("POST", "/api/v0/bundles/"): "misc",
+    ("GET", "/api/v0/bundles/"): "misc",
     ("PUT", "/api/v0/asks/{id}/"): "instance_write",
     ("GET", "/api/v1/instances/"): "instance_read",
     ("GET", "/api/v0/instances/{id}/"): "instance_read",

@@ -1,10 +1,11 @@
 """vast.ai's rate limits, as its API reference documents them (see docs/vast-fidelity.md).
 
-A limit is a minimum interval between requests per endpoint and identity (bearer token, `api_key`
-parameter and client IP); search is ten a minute per client IP, and a daily search quota stands
-behind it. Where the documents leave a choice open, the harder one is taken: a refused request counts
-as a request (it restarts the interval), a refused create adds the documented penalty, and an
-endpoint the reference gives no limit gets one second.
+A limit is a minimum interval between requests per endpoint and identity, which vast.ai's reference
+determines by "bearer token + session user + `api_key` query param + client IP"; search is ten a minute,
+and a daily search quota stands behind it. Where the documents leave a choice open, the harder one is
+taken: the identity is the client's address alone (two keys, or every process of one account, calling from
+one address share each limit), a refused request counts as a request (it restarts the interval), a refused
+create adds the documented penalty, and an endpoint the reference gives no limit gets one second.
 
 The 429 bodies vary as on vast.ai: plain text, `{"detail": ...}`, or the common error shape; a
 `Retry-After` header, fractional, comes with some of them and not others.
@@ -27,12 +28,11 @@ class Limit:
     penalty_s: float = 0.0  # a refused request pushes the next allowed one this far out
     body: Body = "text"
     per_minute: int = 0  # a window limit instead of an interval (search)
-    by_ip_only: bool = False
 
 
 # (method, route template without its trailing slash) -> limit; from vast.ai's OpenAPI `x-rate-limit`.
 LIMITS: dict[tuple[str, str], Limit] = {
-    ("POST", "/api/v0/bundles"): Limit(0.0, per_minute=10, by_ip_only=True),
+    ("POST", "/api/v0/bundles"): Limit(0.0, per_minute=10),
     ("PUT", "/api/v0/asks/{id}"): Limit(4.5, penalty_s=12.0, body="detail"),
     ("GET", "/api/v0/instances/{id}"): Limit(2.0, body="detail"),
     ("GET", "/api/v1/instances"): Limit(1.0),
@@ -78,7 +78,7 @@ class RateLimiter:
         if self.scale <= 0:
             return None
         limit = LIMITS.get(key, DEFAULT_LIMIT)
-        who = (key, ip) if limit.by_ip_only else (key, *identity, ip)
+        who = (key, ip)
         now = time.monotonic()
         if limit.per_minute:
             window = self._windows.setdefault(who, deque())

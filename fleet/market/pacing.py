@@ -17,7 +17,7 @@ import hashlib
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -44,6 +44,11 @@ PACES: dict[str, Pace] = {
 DEFAULT_PACE = Pace(1.1)
 
 
+# What the install's shared budget answers for one call: seconds to wait before it may start (every process of
+# an install draws on it: vast.ai counts an identity's calls, not a process's)
+Budget = Callable[[str, "Pace"], Awaitable[float]]
+
+
 @dataclass
 class Counters:
     """What a process asked of the marketplace: calls and 429s by endpoint, seconds spent waiting."""
@@ -52,6 +57,11 @@ class Counters:
     rate_limited: dict[str, int] = field(default_factory=dict)
     retries: dict[str, int] = field(default_factory=dict)
     waited_s: float = 0.0
+    last_rate_limited_at: float | None = None  # time.monotonic() of the latest 429
+
+    def rate_limited_since(self, started: float) -> bool:
+        """Whether the marketplace refused a call (429) since `started` (time.monotonic())."""
+        return self.last_rate_limited_at is not None and self.last_rate_limited_at >= started
 
     def total_calls(self) -> int:
         return sum(self.calls.values())
@@ -102,6 +112,7 @@ class Pacer:
         penalty or interval, growing with each refusal in a row up to four times that, with jitter so that
         two processes sharing a key fall out of step."""
         self.counters.rate_limited[endpoint] = self.counters.rate_limited.get(endpoint, 0) + 1
+        self.counters.last_rate_limited_at = time.monotonic()
         pace = self.pace(endpoint)
         if retry_after_s is not None:
             wait = retry_after_s + 0.05

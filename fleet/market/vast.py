@@ -8,10 +8,10 @@ retried too, except on create, where the request may have been processed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,8 @@ from fleet.market import (
     Transient,
     reads_gone,
 )
-from fleet.market.pacing import Pacer, shared_pacer
+from fleet.market.answers import instance_from_row, is_number, json_or_none, message, quota_message, text_excerpt
+from fleet.market.pacing import Budget, Pacer, shared_pacer
 
 log = logging.getLogger("fleet.market")
 
@@ -50,9 +51,13 @@ class VastMarket:
         attempts: int = 8,
         timeout_s: float = 30.0,
         pacer: Pacer | None = None,
+        budget: Budget | None = None,
+        rate_limited_wait_s: float = 600.0,
     ) -> None:
         self.url = url.rstrip("/")
         self._attempts = attempts
+        self._budget = budget
+        self._rate_limited_wait_s = rate_limited_wait_s
         self.pacer = pacer or shared_pacer(self.url, api_key)
         self._http = httpx.AsyncClient(
             base_url=self.url,
@@ -73,47 +78,58 @@ class VastMarket:
         on_sent: Callable[[], None] | None = None,
         **kw: Any,
     ) -> Any:
-        """One logical call: paced, retried on 429 (always safe: nothing was done) and, unless the
-        call may have been processed, on 5xx and broken connections."""
-        for attempt in range(1, self._attempts + 1):
+        """One logical call: paced (this process's pacer, and the install's budget that every process shares),
+        retried on 429 (always safe: nothing was done) for as long as `rate_limited_wait_s` allows, honouring
+        Retry-After (a caller's own deadline, a bring-up phase's, ends it sooner), and, unless the call may have
+        been processed, on 5xx and broken connections, `attempts` times."""
+        failures = refusals = 0
+        refused_for = 0.0
+        while True:
             try:
                 async with self.pacer.slot(endpoint):
+                    if self._budget is not None:
+                        wait = await self._budget(endpoint, self.pacer.pace(endpoint))
+                        if wait > 0:
+                            self.pacer.counters.waited_s += wait
+                            await asyncio.sleep(wait)
                     if on_sent is not None:
                         on_sent()
                     return await self._once(method, path, **kw)
             except RateLimited as e:
-                if attempt == self._attempts:
-                    raise
-                wait = self.pacer.penalize(endpoint, e.retry_after_s, attempt)
-                log.warning(
-                    "%s %s: rate limited (429); retry %d/%d in %.1fs", method, path, attempt, self._attempts - 1, wait
-                )
+                refusals += 1
+                if refused_for >= self._rate_limited_wait_s:
+                    raise RateLimited(
+                        f"{e} for {refused_for:.0f}s (provider.rate_limited_wait_s)", e.retry_after_s
+                    ) from None
+                wait = self.pacer.penalize(endpoint, e.retry_after_s, refusals)
+                refused_for += wait
+                log.warning("%s %s: rate limited (429, %d in a row); retry in %.1fs", method, path, refusals, wait)
             except Transient as e:
-                if not retry_ambiguous or attempt == self._attempts:
+                failures += 1
+                if not retry_ambiguous or failures == self._attempts:
                     raise
-                wait = self.pacer.defer(endpoint, min(0.5 * 2 ** (attempt - 1), 30.0))
-                log.warning("%s; retry %d/%d in %.1fs", e, attempt, self._attempts - 1, wait)
+                wait = self.pacer.defer(endpoint, min(0.5 * 2 ** (failures - 1), 30.0))
+                log.warning("%s; retry %d/%d in %.1fs", e, failures, self._attempts - 1, wait)
             self.pacer.retried(endpoint)
-        raise AssertionError("unreachable")
 
     async def _once(self, method: str, path: str, **kw: Any) -> Any:
         try:
             response = await self._http.request(method, path, **kw)
         except httpx.TransportError as e:
             raise Transient(f"{method} {path}: {type(e).__name__}: {e}") from None
-        body = _json_or_none(response)
+        body = json_or_none(response)
         status = response.status_code
         if status == 429:
             if isinstance(body, dict) and body.get("error") == "search_quota_exceeded":
                 reset = response.headers.get("X-RateLimit-Reset")
-                raise SearchQuotaExceeded(_quota_message(reset), float(reset) if _is_number(reset) else None)
+                raise SearchQuotaExceeded(quota_message(reset), float(reset) if is_number(reset) else None)
             after = response.headers.get("Retry-After")
-            raise RateLimited(f"{method} {path}: rate limited", float(after) if _is_number(after) else None)
+            raise RateLimited(f"{method} {path}: rate limited", float(after) if is_number(after) else None)
         if status >= 500:
             raise Transient(f"{method} {path}: HTTP {status}")
         # vast.ai's error bodies vary: some omit `success`, some `error`, some are not JSON at all. What an
         # error means is read from its status first and its words second; its shape never crashes us.
-        msg = _msg(body) if body is not None else _text_excerpt(response)
+        msg = message(body) if body is not None else text_excerpt(response)
         if status in (401, 403):
             raise AuthError(f"the marketplace refused the API key: {msg}")
         if status >= 400:
@@ -152,6 +168,24 @@ class VastMarket:
             raise MarketError("search answered without an offers list")
         return [Offer.from_raw(row) for row in offers]
 
+    async def missing_permissions(self) -> dict[str, str]:
+        """The permissions fleet needs that this key lacks, each with what fleet needs it for (empty: none), by one
+        read of each kind (vast-cli's api_scopes.json says which an endpoint needs of a scoped key). The writes
+        (instance_write; user_write, which fleet can do without) cannot be tried without doing something."""
+        probes: list[tuple[str, str, str, str, dict[str, Any]]] = [
+            ("misc", "searching offers", "POST", "/api/v0/bundles/", {"json": {"limit": 1}}),
+            ("instance_read", "reading its instances", "GET", "/api/v1/instances/", {"params": {"limit": 1}}),
+            ("user_read", "reading the account's credit and SSH keys", "GET", "/api/v0/users/current/", {}),
+        ]
+        missing: dict[str, str] = {}
+        for permission, why, method, path, kw in probes:
+            endpoint = {"/api/v0/bundles/": "search", "/api/v1/instances/": "list"}.get(path, "user")
+            try:
+                await self._request(endpoint, method, path, **kw)
+            except AuthError:
+                missing[permission] = why
+        return missing
+
     async def create(self, offer_id: int, spec: InstanceSpec, on_sent: Callable[[], None] | None = None) -> int:
         env = dict(spec.env)
         env.update({f"-p {p}:{p}": "1" for p in spec.ports})
@@ -175,9 +209,9 @@ class VastMarket:
         if not isinstance(answer, dict):
             raise MarketError(f"create answered {str(answer)[:200]!r}")
         contract = answer.get("new_contract")
-        if answer.get("success") is False or not _is_number(contract):  # some answers omit `success`
+        if answer.get("success") is False or not is_number(contract):  # some answers omit `success`
             raise CreateFailed(
-                f"create answered an error: {_msg(answer)}", int(contract) if _is_number(contract) else None
+                f"create answered an error: {message(answer)}", int(contract) if is_number(contract) else None
             )
         return int(contract)
 
@@ -306,72 +340,3 @@ def search_filters(query: OfferQuery) -> dict[str, Any]:
     if query.compute_caps:
         found["compute_cap"] = {"in": list(query.compute_caps)}
     return found
-
-
-def _json_or_none(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
-def _is_number(value: Any) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _quota_message(reset: str | None) -> str:
-    message = "vast.ai's daily search quota is used up (it resets at 00:00 UTC"
-    if _is_number(reset):
-        left = max(float(reset or 0) - time.time(), 0)
-        message += f", in {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
-    return message + "); searches are not retried until then"
-
-
-def _status_text(value: Any) -> str | None:
-    return value[:40] if isinstance(value, str) else None
-
-
-def _text_excerpt(response: httpx.Response) -> str:
-    text = response.text.strip().replace("\n", " ")
-    return text[:200] or f"HTTP {response.status_code} with an empty body"
-
-
-def _msg(body: Any) -> str:
-    if isinstance(body, dict):
-        return str(body.get("msg") or body.get("message") or body.get("detail") or body.get("error") or body)
-    return str(body)
-
-
-def instance_from_row(row: Any) -> Instance:
-    """An instance row as show and list answer it; MarketError when a field we act on is malformed."""
-    if not isinstance(row, dict):
-        raise MarketError(f"malformed instance row: {type(row).__name__}, not an object")
-    try:
-        ports: dict[int, int] = {}
-        for key, mappings in (row.get("ports") or {}).items():
-            if mappings:
-                ports[int(str(key).split("/")[0])] = int(mappings[0]["HostPort"])
-        return Instance(
-            id=int(row["id"]),
-            status=row.get("actual_status"),
-            status_msg=row.get("status_msg"),
-            label=row.get("label"),
-            machine_id=int(row["machine_id"]),
-            dph_total=float(row.get("dph_total") or 0.0),
-            public_ip=(row.get("public_ipaddr") or "").strip() or None,
-            ssh_host=(row.get("ssh_host") or "").strip() or None,
-            ssh_port=int(row["ssh_port"]) if row.get("ssh_port") else None,
-            ports=ports,
-            start_date=float(row["start_date"]) if row.get("start_date") else None,
-            raw=row,
-            intended=_status_text(row.get("intended_status")),
-            cur_state=_status_text(row.get("cur_state")),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise MarketError(
-            f"malformed instance row {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]
-        ) from None

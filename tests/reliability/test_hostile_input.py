@@ -19,7 +19,7 @@ from fleet.core.errors import FleetError
 from fleet.economics import offers
 from fleet.localcloud import tinymodels
 from fleet.market import MarketError, Offer
-from fleet.market.vast import instance_from_row
+from fleet.market.answers import instance_from_row
 from fleet.plan import gguf as ggufhead
 from tests.fleetkit import ROOT, write_config
 

@@ -1,0 +1,80 @@
+"""What vast.ai's answers say, read strictly: error bodies of every shape, instance rows whose fields fleet acts
+on (a malformed one is an error, never a guess)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from fleet.market import Instance, MarketError
+
+
+def json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def quota_message(reset: str | None) -> str:
+    message = "vast.ai's daily search quota is used up (it resets at 00:00 UTC"
+    if is_number(reset):
+        left = max(float(reset or 0) - time.time(), 0)
+        message += f", in {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+    return message + "); searches are not retried until then"
+
+
+def _status_text(value: Any) -> str | None:
+    return value[:40] if isinstance(value, str) else None
+
+
+def text_excerpt(response: httpx.Response) -> str:
+    text = response.text.strip().replace("\n", " ")
+    return text[:200] or f"HTTP {response.status_code} with an empty body"
+
+
+def message(body: Any) -> str:
+    if isinstance(body, dict):
+        return str(body.get("msg") or body.get("message") or body.get("detail") or body.get("error") or body)
+    return str(body)
+
+
+def instance_from_row(row: Any) -> Instance:
+    """An instance row as show and list answer it; MarketError when a field we act on is malformed."""
+    if not isinstance(row, dict):
+        raise MarketError(f"malformed instance row: {type(row).__name__}, not an object")
+    try:
+        ports: dict[int, int] = {}
+        for key, mappings in (row.get("ports") or {}).items():
+            if mappings:
+                ports[int(str(key).split("/")[0])] = int(mappings[0]["HostPort"])
+        return Instance(
+            id=int(row["id"]),
+            status=row.get("actual_status"),
+            status_msg=row.get("status_msg"),
+            label=row.get("label"),
+            machine_id=int(row["machine_id"]),
+            dph_total=float(row.get("dph_total") or 0.0),
+            public_ip=(row.get("public_ipaddr") or "").strip() or None,
+            ssh_host=(row.get("ssh_host") or "").strip() or None,
+            ssh_port=int(row["ssh_port"]) if row.get("ssh_port") else None,
+            ports=ports,
+            start_date=float(row["start_date"]) if row.get("start_date") else None,
+            raw=row,
+            intended=_status_text(row.get("intended_status")),
+            cur_state=_status_text(row.get("cur_state")),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise MarketError(
+            f"malformed instance row {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]
+        ) from None
