@@ -19,6 +19,7 @@ GPUS = {  # name: (MB per GPU, compute cap, max power W, mem bw GB/s, TFLOPS)
     "RTX A4000": (16376, 860, 140.0, 448.0, 19.2),
     "Tesla V100": (32768, 700, 300.0, 900.0, 15.7),
     "RTX 5090": (32607, 1200, 575.0, 1792.0, 104.8),
+    "GH200": (97871, 900, 900.0, 4000.0, 67.0),
 }
 # (gpu, n, country, dph_base, reliability, cuda, direct ports, inet $/GB, disk GB, verified, why)
 ROWS = [
@@ -48,11 +49,16 @@ ROWS = [
     ("RTX 5090", 1, "Sweden, SE", 0.395, 0.996, 12.9, 16, 0.004, 400, True, "Blackwell, compute 12.0"),
     ("RTX 3090", 1, "Denmark, DK", 0.180, 0.994, 12.8, 10, 0.004, 200, True, "contract ends in 10 h"),
     ("RTX 3090", 1, "Slovakia, SK", 0.185, 0.994, 12.8, 10, 0.004, 200, True, "a 40 Mbit/s link"),
+    # Grace Hopper: compute 9.0 passes every GPU filter, but its CPU is arm64, where an amd64 image cannot start
+    ("GH200", 1, "Norway, NO", 0.640, 0.996, 12.8, 16, 0.004, 500, True, "arm64"),
+    ("GH200", 1, "Sweden, SE", 0.655, 0.995, 12.8, 16, 0.004, 500, True, "arm64"),
+    ("GH200", 1, "Germany, DE", 0.670, 0.995, 12.8, 16, 0.004, 500, True, "arm64"),
 ]
 # What a row's offer says apart from the columns above (its contract's time left, its link's speed).
 OVERRIDES = {
     "contract ends in 10 h": {"duration": 36000.0},
     "a 40 Mbit/s link": {"inet_down": 40.0},
+    "arm64": {"cpu_arch": "arm64", "cpu_name": "NVIDIA Grace A02", "cpu_cores": 72, "cpu_cores_effective": 72.0},
 }
 
 

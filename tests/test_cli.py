@@ -106,7 +106,7 @@ def test_offers_json_has_ranked_offers_and_the_funnel(env):
     # the synthetic snapshot carries one offer failing each filter
     assert removed["reliability"] >= 1 and removed["CUDA"] >= 1 and removed["disk"] >= 1
     assert removed["direct"] >= 1 and removed["traffic"] >= 1 and removed["verified"] >= 1
-    assert removed["compute"] >= 1 and removed["contract"] >= 1 and removed["download"] >= 1
+    assert removed["compute"] >= 1 and removed["contract"] >= 1 and removed["download"] >= 1 and removed["CPU"] >= 1
 
 
 def test_offers_say_when_the_answer_filled_the_search_window(env, tmp_path):

@@ -33,6 +33,7 @@ def offer(i: int, **kw) -> Offer:
         compute_cap=860,
         end_date=NOW + 30 * 86400,
         inet_down_mbps=1000.0,
+        cpu_arch="amd64",
     )
     return Offer(**{**base, **kw})
 
@@ -69,14 +70,16 @@ def test_each_filter_removes_its_offer_and_says_so():
         offer(10, gpu_name="Tesla V100", compute_cap=700),  # the image's CUDA build has no sm_70
         offer(11, end_date=NOW + 3 * 3600),  # its contract ends in 3 hours
         offer(12, inet_down_mbps=50.0),  # a 15 GB pull would take 40 minutes
+        offer(13, gpu_name="GH200", compute_cap=900, cpu_arch="arm64"),  # the image is amd64
     ]
     result = funnel(offers, CRITERIA, PROFILE)
     assert [o.id for o in result.passed] == [1]
-    assert [count for _, count in result.removed] == [1] * 11
+    assert [count for _, count in result.removed] == [1] * 12
     names = [name for name, _ in result.removed]
     assert names[7].startswith("compute capability 8/8.6/8.9/9/10/12")
-    assert names[8] == "contract runs >= 48 h" and names[9] == "download >= 128 Mbit/s"
-    assert result.seen == 12 and result.as_dict()["passed"] == 1
+    assert names[8] == "CPU amd64 (the image's)"
+    assert names[9] == "contract runs >= 48 h" and names[10] == "download >= 128 Mbit/s"
+    assert result.seen == 13 and result.as_dict()["passed"] == 1
 
 
 def test_ranking_is_by_effective_price_including_traffic():
@@ -108,7 +111,7 @@ def test_empty_input_gives_an_empty_explained_funnel():
 def test_the_search_carries_every_filter_and_a_full_answer_says_so():
     query = query_for(CRITERIA, PROFILE)
     assert query.limit == 1000 and not query.pool_only
-    assert query.compute_caps == COMPUTE_CAPS and query.min_duration_s == 48 * 3600
+    assert query.compute_caps == COMPUTE_CAPS and query.min_duration_s == 48 * 3600 and query.cpu_arch == "amd64"
     assert query.min_inet_down_mbps == 128 and query.min_reliability == 0.98 and query.verified_only
     full = funnel([offer(i) for i in range(1, 4)], CRITERIA, PROFILE, OfferQuery(["SE"], limit=3))
     assert full.truncated and full.as_dict()["truncated"] is True

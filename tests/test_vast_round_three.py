@@ -115,3 +115,36 @@ async def test_a_key_that_may_not_search_is_named_before_anything_is_rented(clou
             assert await listed_instances(api) == []
     finally:
         cloud.set_faults({})
+
+
+async def arm64_offers(cloud) -> list[dict]:
+    async with cloud.client() as api:
+        body = {"cpu_arch": {"eq": "arm64"}, "rentable": {"eq": True}, "order": [["dph_total", "asc"]]}
+        return (await api.post("/api/v0/bundles/", json=body)).json()["offers"]
+
+
+async def test_arm64_machines_are_left_out_however_cheap_and_an_image_of_another_cpu_stops_at_once(cloud, tmp_path):
+    """Three GH200s (compute 9.0, arm64) made the cheapest offers: fleet asks for amd64 machines, counts what the
+    CPU filter removed, and rents an amd64 one; an image its hosts cannot run (the profile's machines told to be
+    arm64) fails once, blames no machine and stops the bring-up, saying so."""
+    gh200 = await arm64_offers(cloud)
+    assert len(gh200) == 3 and {o["gpu_name"] for o in gh200} == {"GH200"}
+    async with cloud.client() as api:
+        for o in gh200:
+            (await api.put(f"/admin/offers/{o['id']}", json={"dph_base": 0.01})).raise_for_status()
+    settings = settings_for(tmp_path, up={"max_attempts": 5})
+    async with fleet_for(settings) as fleet:
+        explained = await fleet.offers("tiny", "eu", explain=True)
+        assert ("CPU amd64 (the image's)", 3) in explained.removed
+        assert not {o.id for o in explained.passed} & {o["id"] for o in gh200}
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        assert host.machine_id not in {o["machine_id"] for o in gh200}
+        await fleet.destroy(None)
+    arm = settings.model_copy(update={"provider": settings.provider.model_copy(update={"image_arch": "arm64"})})
+    async with fleet_for(arm) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu"))
+        assert result.ready == [] and len(result.attempts) == 1, result
+        [attempt] = result.attempts
+        assert attempt.machine_id in {o["machine_id"] for o in gh200} and "exec format error" in attempt.reason
+        assert "cannot be pulled or run" in result.failures[0] and fleet.record.blacklist() == []
+        await fleet.destroy(None)

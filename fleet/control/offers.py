@@ -40,6 +40,7 @@ def criteria(
         contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
         pull_gb=need.pull_bytes / offer_rules.GB if need else 0.0,
         one_card=profile.engine == "vllm",  # fleet starts vLLM without tensor parallelism: it uses one card
+        cpu_arch=ctx.settings.provider.image_arch,
     )
 
 

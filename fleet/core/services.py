@@ -8,7 +8,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -44,6 +44,9 @@ class Provider(Strict):
     # how long one request waits out the marketplace's 429s (Retry-After honoured) before it fails; a bring-up
     # phase's own deadline ends the wait sooner, and blames no machine for it
     rate_limited_wait_s: Annotated[float, Field(gt=0, le=3600)] = 600
+    # the CPU architecture fleet's images are built for (images/*/Dockerfile: amd64): vast.ai lists arm64 machines
+    # too (a GH200 passes every GPU filter), where an amd64 image cannot start
+    image_arch: Literal["amd64", "arm64"] = "amd64"
     # A private image: the registry user, and the environment variable holding its token (vast.ai pulls
     # with `-u USER -p TOKEN REGISTRY`; the token goes only into the create call, never into a log).
     registry_user: Annotated[str, Field(pattern=r"^[^\s]*$", max_length=256)] = ""

@@ -32,6 +32,7 @@ class Criteria:
     pull_gb: float = 0.0  # the profile's files: every bring-up downloads them, at the offer's $/GB
     plan_gib: float = 0.0  # what the plan needs on the card (min_gpu_ram_gb is the larger of it and the card's)
     one_card: bool = False  # the engine serves from one card (vLLM without tensor parallelism): no sum over GPUs
+    cpu_arch: str = "amd64"  # the image's: an offer that lists another (or none) cannot start it
 
 
 @dataclass
@@ -84,6 +85,7 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
         checks.append(
             (f"compute capability {caps} (the image's CUDA build)", lambda o: o.compute_cap in c.compute_caps)
         )
+    checks.append((f"CPU {c.cpu_arch} (the image's)", lambda o: o.cpu_arch == c.cpu_arch))
     if c.contract_ends_after:
         checks.append(
             (
@@ -174,6 +176,7 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
         min_duration_s=f.min_contract_hours * 3600 if criteria.contract_ends_after else None,
         min_inet_down_mbps=f.min_inet_down_mbps or None,
         max_dph_total=criteria.max_usd_per_hour,
+        cpu_arch=criteria.cpu_arch,
     )
 
 
@@ -181,7 +184,7 @@ def asked(query: OfferQuery) -> str:
     """The filters the marketplace applied, in a line."""
     if query.pool_only:
         return "region and GPU memory only (every other filter counted here)"
-    parts = ["region", "GPU memory", "reliability", "CUDA", "disk", "direct ports", "traffic $/GB"]
+    parts = ["region", "GPU memory", "reliability", "CUDA", "disk", "direct ports", "traffic $/GB", "CPU"]
     parts += ["verified"] if query.verified_only else []
     parts += ["datacenter"] if query.datacenter_only else []
     parts += ["compute capability"] if query.compute_caps else []

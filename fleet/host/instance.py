@@ -74,7 +74,8 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
                 # the same on every machine: our image's name, or its registry's login, is wrong
                 raise PhaseFailed(
                     "boot",
-                    f"the image {ctx.settings.provider.image} cannot be pulled: {error}",
+                    f"the image {ctx.settings.provider.image} cannot be pulled or run here, nor on any machine like"
+                    f" this one: {error}",
                     blacklist=False,
                     retry=False,
                 )

@@ -99,6 +99,21 @@ class Booting:
                 inst.intended_status = "stopped"
                 self.save()
             return
+        if _arch(inst.image) != (inst.offer.get("cpu_arch") or "amd64"):
+            # an image of another architecture: Docker pulls it and warns, and its first exec fails (vast-cli's
+            # self-test reads such a start as the image's failure); the platform then gives the start up
+            platform = "linux/arm64/v8" if inst.offer.get("cpu_arch") == "arm64" else "linux/amd64"
+            self._set_status(
+                inst,
+                "created",
+                f"WARNING: The requested image's platform (linux/{_arch(inst.image)}) does not match the detected host "
+                f"platform ({platform}) and no specific platform was requested; exec /bin/sh: exec format error",
+            )
+            await asyncio.sleep(third)
+            if inst.id in self.state.instances:
+                inst.intended_status = "stopped"
+                self.save()
+            return
         if inst.machine_id in self.faults.oci_error:
             self._set_status(
                 inst,
@@ -224,6 +239,11 @@ class Booting:
                 await asyncio.sleep(period * (1 - share))
             else:
                 await asyncio.sleep(period)
+
+
+def _arch(image: str) -> str:
+    """The CPU architecture an image is built for: arm64 when its reference says so, else amd64 (fleet's)."""
+    return "arm64" if "arm64" in image.lower() or "aarch64" in image.lower() else "amd64"
 
 
 def _llama_server_pids(token: str) -> list[int]:

@@ -95,6 +95,7 @@ class Offer:
     end_date: float | None = None  # when the machine's contract ends (epoch s): vast.ai stops the instance then
     inet_down_mbps: float = 0.0  # the machine's measured download speed
     datacenter: bool = False  # hosting_type 1: a machine in a certified datacenter
+    cpu_arch: str = ""  # the machine's CPU architecture as listed (amd64, arm64); "" when the offer does not say
 
     @property
     def country(self) -> str:
@@ -127,6 +128,7 @@ class Offer:
                 end_date=float(row["end_date"]) if row.get("end_date") is not None else None,
                 inet_down_mbps=float(row.get("inet_down") or 0.0),
                 datacenter=row.get("hosting_type") == 1 or row.get("datacenter") is True,
+                cpu_arch=_text(row.get("cpu_arch") or "")[:16],
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
@@ -166,6 +168,7 @@ class OfferQuery:
     min_duration_s: float | None = None  # the contract runs at least this long from now
     min_inet_down_mbps: float | None = None
     max_dph_total: float | None = None
+    cpu_arch: str | None = None  # the image's: a machine of another architecture cannot start it
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,9 @@ GONE = frozenset({"destroyed", "terminated"})
 # A pull that failed: vast-cli's self-test classifies these messages as docker_pull_failed.
 IMAGE_ERRORS = re.compile(
     r"manifest for .* not found|manifest unknown|pull access denied|repository does not exist|no such image|"
-    r"unauthorized|authentication required|denied: ",
+    r"unauthorized|authentication required|denied: |"
+    # an image built for another CPU (an amd64 image on an arm64 machine): every such machine fails the same way
+    r"exec format error|no matching manifest for",
     re.IGNORECASE,
 )
 

@@ -339,4 +339,6 @@ def search_filters(query: OfferQuery) -> dict[str, Any]:
         found["datacenter"] = {"eq": True}
     if query.compute_caps:
         found["compute_cap"] = {"in": list(query.compute_caps)}
+    if query.cpu_arch:
+        found["cpu_arch"] = {"eq": query.cpu_arch}
     return found
