@@ -33,7 +33,7 @@ async def test_a_standby_host_is_probed_stopped_billed_for_its_disk_and_left_alo
             ran = [r.name for r in fleet.record.probe_runs(host.id)]
             assert ran == ["smoke", "cache", "keepalive"]  # the whole path, probes included
             instance = await fleet.market.get(host.instance_id)
-            assert instance.status == "exited" and instance.stopped  # vast.ai's form of a stopped instance
+            assert instance.status in ("exited", "stopped", "offline") and instance.stopped  # one of vast.ai's forms
             charges = [c for c in cloud.state()["charges"] if c["instance_id"] == host.instance_id]
             assert [c["kind"] for c in charges] == ["storage", "bandwidth", "gpu", "storage"]
             assert charges[-1]["end"] is None

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from fleet.control.up import UpRequest
+from fleet.core.models import HostState
 from fleet.market import AuthError
 from fleet.market.pacing import Pacer
 from fleet.market.vast import VastMarket
@@ -147,4 +148,25 @@ async def test_arm64_machines_are_left_out_however_cheap_and_an_image_of_another
         [attempt] = result.attempts
         assert attempt.machine_id in {o["machine_id"] for o in gh200} and "exec format error" in attempt.reason
         assert "cannot be pulled or run" in result.failures[0] and fleet.record.blacklist() == []
+        await fleet.destroy(None)
+
+
+async def test_a_stop_is_read_in_each_form_vast_ai_says_it(cloud, tmp_path):
+    """Three hosts stopped for the standby pool, their instances saying so in each of vast.ai's forms (`exited`,
+    `stopped`, and only the contract's states, the container reading `offline`): each is STANDBY well before
+    timeouts.stop, and each serves again when taken."""
+    settings = settings_for(tmp_path)
+    settings = settings.model_copy(update={"timeouts": settings.timeouts.model_copy(update={"stop": 40})})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu", count=3, standby=True))
+        assert len(result.ready) == 3, result
+        async with cloud.client() as api:
+            rows = {i["id"]: i for i in await listed_instances(api)}
+        forms = {rows[h.instance_id]["actual_status"] for h in result.ready}
+        assert forms == {"exited", "stopped", "offline"}, forms
+        assert all(rows[h.instance_id]["cur_state"] == "stopped" for h in result.ready)
+        states = {h.state for h in fleet.record.hosts(names=[h.name for h in result.ready])}
+        assert states == {HostState.STANDBY}
+        taken = (await fleet.up(UpRequest("tiny", "eu", count=3))).ready
+        assert {h.name for h in taken} == {h.name for h in result.ready}  # each resumed from the pool
         await fleet.destroy(None)

@@ -359,7 +359,7 @@ class Cloud(Power, SshKeys):
     async def resume_hosts(self) -> None:
         """After a restart, boot again every instance that was live (as a host reboot would)."""
         for inst in list(self.state.instances.values()):
-            if inst.status not in ("exited", "stopped"):
+            if inst.status not in ("exited", "stopped") and inst.cur_state != "stopped":
                 inst.status, inst.running_at = None, None
                 self.start_host(inst)
         self.save()

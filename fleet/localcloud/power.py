@@ -16,6 +16,9 @@ from fleet.localcloud.instances import Instance
 log = logging.getLogger("fleet.localcloud")
 
 
+STOP_FORMS = ("exited", "stopped", "offline")
+
+
 class Power(Booting):
     """The part of the Cloud that stops and starts instances (PUT /instances/{id}/ with a state)."""
 
@@ -46,8 +49,11 @@ class Power(Booting):
         self.state.charges.append(Charge(inst.id, inst.label, now, None, disk, kind="storage"))
         inst.running_at = None
         inst.cur_state = "stopped"
-        # vast.ai shows a stopped instance `exited` (its CLI's status filter knows no `stopped`), stopped intended
-        self._set_status(inst, "exited", "Instance stopped")
+        # vast.ai says a stop in more than one way: `exited` (its CLI's status filter knows no `stopped`) or `stopped`
+        # with stopped intended (SkyPilot reads both), or only in the contract's states, cur_state, intended_status
+        # and next_state all `stopped` (what dstack reads), the container's own status on a machine that no
+        # longer hears from it reading `offline`; each instance takes one, by its id
+        self._set_status(inst, STOP_FORMS[inst.id % len(STOP_FORMS)], "Instance stopped")
         log.info("stopped instance %s", inst.id)
 
     def _booting(self, inst: Instance) -> bool:

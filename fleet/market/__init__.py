@@ -198,11 +198,16 @@ class Instance:
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     intended: str | None = None  # vast.ai's intended_status: what the platform is driving it to
     cur_state: str | None = None  # the contract's state: running, stopped, unloaded (destroyed)
+    next_state: str | None = None  # where the platform moves the contract next
 
     @property
     def stopped(self) -> bool:
-        """Stopped as asked: vast.ai shows a stopped instance `exited` (its status filter knows no `stopped`;
-        SkyPilot reads EXITED and STOPPED alike) with `stopped` intended."""
+        """Stopped as asked. vast.ai says so in more than one way: `exited` or `stopped` (its status filter knows
+        no `stopped`; SkyPilot reads EXITED and STOPPED alike) with `stopped` intended, or, whatever the
+        container's own status reads, the contract's states all `stopped` (dstack reads a stop from
+        `cur_state`, `intended_status` and `next_state` alone)."""
+        if self.cur_state == "stopped" and self.intended == "stopped" and self.next_state in (None, "stopped"):
+            return True
         return self.status in STOPPED_STATUSES and (self.intended == "stopped" or self.cur_state == "stopped")
 
     @property

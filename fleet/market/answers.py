@@ -73,6 +73,7 @@ def instance_from_row(row: Any) -> Instance:
             raw=row,
             intended=_status_text(row.get("intended_status")),
             cur_state=_status_text(row.get("cur_state")),
+            next_state=_status_text(row.get("next_state")),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise MarketError(
