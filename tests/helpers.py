@@ -75,7 +75,14 @@ async def listed_instances(api: httpx.AsyncClient) -> list[dict[str, Any]]:
 
 
 async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, Any]:
-    body = {"rentable": {"eq": True}, "rented": {"eq": False}, "order": [["dph_total", "asc"]], **filters}
+    # an amd64 machine, as fleet asks: the images the tests rent are amd64 (an arm64 one could not start them)
+    body = {
+        "rentable": {"eq": True},
+        "rented": {"eq": False},
+        "cpu_arch": {"eq": "amd64"},
+        "order": [["dph_total", "asc"]],
+    }
+    body |= filters
     r = await polite(api, "POST", "/api/v0/bundles/", json=body)
     r.raise_for_status()
     offers = r.json()["offers"]

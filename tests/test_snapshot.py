@@ -15,7 +15,7 @@ from aiohttp import web
 
 from fleet.engines.metrics import requests_in_flight
 from fleet.engines.replies import Timings
-from fleet.localcloud import tinyhf
+from fleet.localcloud import tinyhf, toolchain
 from fleet.localcloud.cloud import Cloud
 from fleet.localcloud.hosts import VLLM_HOST_SCRIPTS
 from fleet.localcloud.server import DEFAULT_OFFERS_DIR
@@ -185,7 +185,13 @@ def test_requests_in_flight_sum_each_engines_gauges_over_their_labels():
     assert requests_in_flight("process_cpu_seconds_total 3\n") is None
 
 
-def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_what_to_run(tmp_path):
+def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_what_to_run(tmp_path, monkeypatch):
+    """Started before scripts/setup-vllm finished (a cache with no vLLM), the cloud refuses a vLLM image at its
+    pull and says what to run; once vLLM is there, the next create takes it, with no restart."""
+    installed, real_cache = toolchain.vllm_python_path(), str(toolchain.cache_dir())
+    assert installed is not None, "scripts/setup-vllm has not run"
+    monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "a-cache-without-vllm"))
+
     # on an event loop of its own: the cloud's shutdown ends its loop's default executor
     async def run() -> None:
         cloud = Cloud(CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, vllm_python=None))
@@ -199,6 +205,10 @@ def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_
                 await asyncio.sleep(0.05)
             assert refused.status == "created" and refused.status_msg == refused.pull_error
             assert refused.intended_status == "stopped" and refused.running_at is None
+            monkeypatch.setenv("FLEET_CACHE_DIR", real_cache)  # scripts/setup-vllm has finished since
+            taken = cloud.state.instances[cloud.create(cloud.offers[1]["id"], body)]
+            assert taken.pull_error is None and cloud.settings.vllm_python == installed
+            await cloud.destroy(taken.id)
         finally:
             await cloud.shutdown()
 

@@ -8,17 +8,20 @@ import asyncio
 import os
 import sqlite3
 import sys
+import time
+from datetime import timedelta
 
 import pytest
 
+from fleet.control import rotation
 from fleet.control.up import UpRequest
-from fleet.core.models import HostState
-from fleet.market import AuthError
+from fleet.core.models import HostState, as_utc, utcnow
+from fleet.market import AuthError, reads_gone
 from fleet.market.pacing import Pacer
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
-from tests.fleetkit import fleet_for, settings_for, write_config
-from tests.helpers import listed_instances
+from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
+from tests.helpers import cheapest_offer, listed_instances, polite, rent, wait_status
 
 
 @pytest.fixture(autouse=True)
@@ -170,3 +173,71 @@ async def test_a_stop_is_read_in_each_form_vast_ai_says_it(cloud, tmp_path):
         taken = (await fleet.up(UpRequest("tiny", "eu", count=3))).ready
         assert {h.name for h in taken} == {h.name for h in result.ready}  # each resumed from the pool
         await fleet.destroy(None)
+
+
+async def test_a_contract_its_host_extended_keeps_the_host_serving(cloud, tmp_path):
+    """A READY host whose rental ends within the margin would be replaced; its machine's host moved the end a
+    year out ("Instance contract extended"): the health sweep reads the new end and keeps it."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        soon = utcnow() + timedelta(hours=2)
+        fleet.record.update(host, contract_end_at=soon)  # as rented: the machine's offer ended in 2 hours
+        later = time.time() + 400 * 86400  # past the end its machine's offer had
+        async with cloud.client() as api:
+            earlier = await api.put(f"/admin/instances/{host.instance_id}/contract", json={"end_date": 1.0})
+            assert earlier.status_code == 400  # a rental's end moves forward only
+            (
+                await api.put(f"/admin/instances/{host.instance_id}/contract", json={"end_date": later})
+            ).raise_for_status()
+        [report] = await rotation.health_sweep(fleet)
+        assert report.healthy and report.replaced_by is None, report
+        [kept] = fleet.record.hosts(names=[host.name])
+        assert kept.state == HostState.READY and abs(as_utc(kept.contract_end_at).timestamp() - later) < 1
+        await fleet.destroy(None)
+
+
+async def test_an_expired_pool_host_is_never_started_and_is_destroyed(cloud, tmp_path):
+    """A standby host whose rental contract ended: vast.ai never starts it again and deletes it 48 h later.
+    `fleet up` brings a host up cold instead of trying it, reconcile destroys it blaming no machine, and the
+    local cloud refuses its start."""
+    settings = settings_for(tmp_path, filters={"min_contract_hours": 0})
+    offer = (await ranked_offers(settings))[0]
+    async with cloud.client() as api:
+        (await api.put(f"/admin/offers/{offer.id}", json={"end_date": time.time() + 25})).raise_for_status()
+    async with fleet_for(settings) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+        assert parked.offer_id == offer.id and parked.state == HostState.STANDBY
+        while as_utc(parked.contract_end_at).timestamp() > time.time():
+            await asyncio.sleep(0.5)
+        async with cloud.client() as api:
+            start = await polite(api, "PUT", f"/api/v0/instances/{parked.instance_id}/", json={"state": "running"})
+            assert start.status_code == 400 and "expired" in start.json()["msg"]
+        [fresh] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        assert fresh.name != parked.name and fresh.offer_id != offer.id  # a cold bring-up, elsewhere
+        report = await fleet.reconcile()
+        assert parked.name in report["failed"]
+        [gone] = fleet.record.hosts(names=[parked.name])
+        assert gone.destroyed_at is not None and fleet.record.blacklist() == []
+        await fleet.destroy(None)
+
+
+async def test_the_local_cloud_deletes_an_expired_instance_when_its_time_is_up(cloud):
+    async with cloud.client() as api:
+        offer = await cheapest_offer(api)
+        end = time.time() + 15  # time to boot first, on a busy machine too
+        (await api.put(f"/admin/offers/{offer['id']}", json={"end_date": end})).raise_for_status()
+        cloud.set_faults({"expired_kept_s": 3})  # vast.ai's 48 h, shortened
+        try:
+            instance_id = await rent(api, offer["id"], label="other:expiring")
+            await wait_status(api, instance_id, "running", timeout_s=60)
+            deadline = time.monotonic() + 60
+            while True:  # gone: null, a 404, or a row that says it was destroyed (vast.ai's three forms)
+                r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
+                row = r.json().get("instances") if r.status_code == 200 else None
+                if row is None or reads_gone(row):
+                    break
+                assert time.monotonic() < deadline, row
+                await asyncio.sleep(0.2)
+            assert time.time() >= end + 3  # not before its time
+        finally:
+            cloud.set_faults({})

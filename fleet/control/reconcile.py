@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from fleet.context import Context
-from fleet.core.models import LABEL_PREFIX, Host, HostState, host_age_s, utcnow
+from fleet.core.models import LABEL_PREFIX, Host, HostState, as_utc, host_age_s, utcnow
 from fleet.economics.bill import accrued_usd
 from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_instance, fail
@@ -118,6 +118,10 @@ async def _settle(
         # billed, never a failure for being stopped
         if instance.down and not instance.stopped:
             await fail(ctx, host, "reconcile", f"standby instance {instance.status}", blacklist=True)
+            report["failed"].append(host.name)
+        elif host.contract_end_at is not None and as_utc(host.contract_end_at) <= utcnow():
+            # vast.ai never starts an expired instance again; it would only go on paying for its disk
+            await fail(ctx, host, "reconcile", "its contract ended: it cannot start again", blacklist=False)
             report["failed"].append(host.name)
     elif host.state == HostState.STOPPING and instance.stopped:
         # the process stopping it died after the marketplace did its part: finish the move to the pool

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
 import httpx
@@ -113,6 +114,19 @@ def ending_soon(host: Host, by: datetime) -> str | None:
     return None
 
 
+def take_extension(ctx: Context, host: Host, instance: Instance | None) -> None:
+    """A contract its host extended (vast.ai: the host may move the end date forward, and says so): the host
+    serves on until the new end, instead of being replaced before the old one. An end moved sooner is not
+    taken (a rental's end is locked when it is rented)."""
+    end = instance.contract_end if instance is not None else None
+    if end is None or not math.isfinite(end) or host.contract_end_at is None:
+        return
+    extended = datetime.fromtimestamp(end, UTC)
+    if extended > as_utc(host.contract_end_at):
+        ctx.record.update(host, contract_end_at=extended)
+        ctx.record.event("info", "contract", json.dumps({"extended_to": extended.isoformat()}), host.id)
+
+
 async def marketplace_view(ctx: Context, hosts: list[Host]) -> dict[int, Instance | None]:
     """Each host's instance from one listing; those it lacks are asked by id (gone or a listing gap)."""
     ids = [h.instance_id for h in hosts if h.instance_id is not None]
@@ -131,6 +145,7 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     reports, doomed = [], []
     ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
     for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
+        take_extension(ctx, host, view.get(host.instance_id or -1))
         failures = 0 if healthy else host.health_failures + 1
         ctx.record.update(host, health_failures=failures, last_health_at=utcnow())
         if not healthy:

@@ -58,6 +58,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         api = vast or path.startswith("/admin/")
         try:
             if vast:
+                await cloud.retire_expired()  # what vast.ai deletes in its own time, gone before any answer
                 if cloud.dice.fire(cloud.faults.rate_limit, path):
                     return web.Response(
                         status=429, text="API requests too frequent endpoint threshold=4.5", content_type="text/plain"
@@ -195,6 +196,13 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
             }
         )
 
+    async def admin_extend(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        end = body.get("end_date") if isinstance(body, dict) else None
+        if not isinstance(end, int | float):
+            raise ApiError(400, "invalid_args", "end_date: epoch seconds")
+        return json_response(cloud.extend_contract(_int_param(request, "id"), float(end)))
+
     async def admin_stats(request: web.Request) -> web.Response:
         return json_response({"rate_limited": cloud.limiter.refused})
 
@@ -220,6 +228,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("GET", "/admin/faults", admin_faults_get)
     both("PUT", "/admin/faults", admin_faults_put)
     both("PUT", "/admin/offers/{id}", admin_offer_put)
+    both("PUT", "/admin/instances/{id}/contract", admin_extend)
     both("GET", "/admin/hub-stats", admin_hub_stats)
     both("GET", "/admin/stats", admin_stats)
     for route in hub.routes():

@@ -111,8 +111,13 @@ class Cloud(Power, SshKeys):
 
     # ---- instances ----------------------------------------------------------------------
     def _missing_engine(self, image: str) -> str | None:
-        """This machine's own limit, not vast.ai's: a vLLM image needs scripts/setup-vllm's vLLM to run."""
-        if toolchain.image_engine(image) == "vllm" and self.settings.vllm_python is None:
+        """This machine's own limit, not vast.ai's: a vLLM image needs scripts/setup-vllm's vLLM to run. Looked
+        for at each create, so that a cloud started before scripts/setup-vllm finished takes it once it has."""
+        if toolchain.image_engine(image) != "vllm":
+            return None
+        if self.settings.vllm_python is None:
+            self.settings.vllm_python = toolchain.vllm_python_path()
+        if self.settings.vllm_python is None:
             return f"the local cloud cannot run {image[:80]}: vLLM is not installed here (run scripts/setup-vllm)"
         return None
 
@@ -259,7 +264,8 @@ class Cloud(Power, SshKeys):
                 raise ApiError(400, "invalid_args", "Invalid args: state must be running or stopped")
             if body["state"] == "running" and inst.intended_status != "running":
                 self.refuse_without_credit()
-                if inst.expired:
+                if inst.expired or inst.contract_ended(time.time()):
+                    inst.expired = True
                     raise ApiError(400, "invalid_args", f"Instance {instance_id} has expired and cannot restart.")
             self.set_state(inst, body["state"])
             return {"success": True}

@@ -39,6 +39,11 @@ class Instance:
     pull_error: str | None = None  # what the registry answered when the image could not be pulled
     expired: bool = False  # its rental contract ended: stopped, and it cannot start again
 
+    def contract_ended(self, now: float) -> bool:
+        """Its rental contract's end is past (vast.ai stops it then and never starts it again)."""
+        end = self.offer.get("end_date")
+        return isinstance(end, int | float) and now >= end
+
     @property
     def machine_id(self) -> int:
         return int(self.offer["machine_id"])

@@ -1,14 +1,17 @@
-"""Stop and start, as vast.ai does them: a stopped instance's processes end and its network goes, its disk
-stays, the GPU's price stops and the disk's runs on; a start waits in `scheduling` while its machine's GPU
-is taken, then boots through the platform's init again on new external ports."""
+"""Stop and start, and a contract's end, as vast.ai does them: a stopped instance's processes end and its
+network goes, its disk stays, the GPU's price stops and the disk's runs on; a start waits in `scheduling` while
+its machine's GPU is taken, then boots through the platform's init again on new external ports; a contract
+ends on its date, its host may move that date forward, and an expired instance is deleted 48 h later."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Any
 
 from fleet.localcloud import billing, network
+from fleet.localcloud.apierror import ApiError
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.boot import Booting
 from fleet.localcloud.instances import Instance
@@ -17,6 +20,7 @@ log = logging.getLogger("fleet.localcloud")
 
 
 STOP_FORMS = ("exited", "stopped", "offline")
+EXPIRED_KEPT_S = 48 * 3600  # vast.ai deletes an expired instance this long after its contract ended
 
 
 class Power(Booting):
@@ -81,3 +85,27 @@ class Power(Booting):
         if boot is not None:
             boot.set_name(f"boot-{inst.id}")  # a stop now waits for this boot, as for the first one
         await self._boot(inst, restart=True)
+
+    async def retire_expired(self) -> None:
+        """vast.ai: "Expired instances may be deleted 48 hours after expiration" (the harder reading: they are,
+        disk and all; fault `expired_kept_s` shortens the wait)."""
+        now = time.time()
+        kept = self.faults.expired_kept_s if self.faults.expired_kept_s is not None else EXPIRED_KEPT_S
+        for inst in list(self.state.instances.values()):
+            end = inst.offer.get("end_date")
+            if isinstance(end, int | float) and now >= end + kept:
+                log.info("instance %s expired %.0fs ago: deleted", inst.id, now - end)
+                await self._forget(inst.id)
+
+    def extend_contract(self, instance_id: int, end_date: float) -> dict[str, Any]:
+        """What a host does when it moves its offer's end forward: the rental runs until then ("Instance contract
+        extended"); a rental's end is locked when it is rented, so never sooner."""
+        inst = self.state.instances.get(instance_id)
+        if inst is None:
+            raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
+        end = inst.offer.get("end_date")
+        if isinstance(end, int | float) and end_date < end:
+            raise ApiError(400, "invalid_args", "a rental's end date may move forward only")
+        inst.offer = {**inst.offer, "end_date": float(end_date)}
+        self.save()
+        return {"success": True, "end_date": inst.offer["end_date"]}

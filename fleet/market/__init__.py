@@ -199,6 +199,7 @@ class Instance:
     intended: str | None = None  # vast.ai's intended_status: what the platform is driving it to
     cur_state: str | None = None  # the contract's state: running, stopped, unloaded (destroyed)
     next_state: str | None = None  # where the platform moves the contract next
+    contract_end: float | None = None  # when the rental contract ends (epoch s): its host may move it later only
 
     @property
     def stopped(self) -> bool:

@@ -74,6 +74,7 @@ def instance_from_row(row: Any) -> Instance:
             intended=_status_text(row.get("intended_status")),
             cur_state=_status_text(row.get("cur_state")),
             next_state=_status_text(row.get("next_state")),
+            contract_end=float(row["end_date"]) if is_number(row.get("end_date")) else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise MarketError(
