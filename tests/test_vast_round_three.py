@@ -241,3 +241,40 @@ async def test_the_local_cloud_deletes_an_expired_instance_when_its_time_is_up(c
             assert time.time() >= end + 3  # not before its time
         finally:
             cloud.set_faults({})
+
+
+async def test_a_big_image_on_a_slow_link_is_waited_for_and_its_bytes_are_billed(cloud, tmp_path):
+    """A 30 GB image on a machine that lists 130 Mbit/s: its pull takes half an hour on vast.ai (18 s on the local
+    cloud's clock), far past timeouts.create_to_running. fleet gives the boot the pull's time at the listed
+    link, blames no machine, and bills the image's bytes with the files'."""
+    base = settings_for(tmp_path)
+    settings = base.model_copy(
+        update={
+            "provider": base.provider.model_copy(update={"image_gb": 30.0}),
+            "timeouts": base.timeouts.model_copy(update={"create_to_running": 10}),
+        }
+    )
+    offer = (await ranked_offers(settings))[0]
+    async with cloud.client() as api:
+        (await api.put(f"/admin/offers/{offer.id}", json={"inet_down": 130.0})).raise_for_status()
+    cloud.set_faults({"image_sizes": {settings.provider.image: 30_000_000_000}})
+    try:
+        async with fleet_for(settings) as fleet:
+            started = time.monotonic()
+            result = await fleet.up(UpRequest("tiny", "eu"))
+            assert [a.outcome for a in result.attempts] == ["ready"], result.attempts
+            [host] = result.ready
+            assert host.offer_id == offer.id and host.image_bytes == 30_000_000_000
+            assert time.monotonic() - started > 10  # longer than create_to_running alone allowed
+            charges = [c for c in cloud.state()["charges"] if c["instance_id"] == host.instance_id]
+            [traffic] = [c for c in charges if c["kind"] == "bandwidth"]
+            assert traffic["bytes_down"] >= 30_000_000_000
+            [line] = fleet.session(host.created_at).bill.lines
+            image_usd = 30.0 * host.inet_down_usd_per_gb
+            assert line.pull_usd == pytest.approx(
+                image_usd + (host.pulled_bytes or 0) / 1e9 * host.inet_down_usd_per_gb
+            )
+            assert fleet.record.blacklist() == []
+            await fleet.destroy(None)
+    finally:
+        cloud.set_faults({})

@@ -28,6 +28,7 @@ def criteria(
     need: profiles.CardNeed | None = None,
 ) -> offer_rules.Criteria:
     plan_gib = need.card_bytes / GIB if need else 0.0
+    provider = ctx.settings.provider
     return offer_rules.Criteria(
         countries=frozenset(ctx.settings.region(region)),
         filters=ctx.settings.filters,
@@ -38,9 +39,11 @@ def criteria(
         # the image's builds, narrowed by the profile (NVFP4 wants Blackwell's own)
         compute_caps=tuple(c for c in COMPUTE_CAPS if not profile.compute_caps or c in profile.compute_caps),
         contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
-        pull_gb=need.pull_bytes / offer_rules.GB if need else 0.0,
+        # every bring-up downloads the image and the profile's files, at the offer's $/GB
+        pull_gb=(need.pull_bytes / offer_rules.GB if need else 0.0)
+        + ctx.settings.provider.image_gb_for(profile.engine),
         one_card=profile.engine == "vllm",  # fleet starts vLLM without tensor parallelism: it uses one card
-        cpu_arch=ctx.settings.provider.image_arch,
+        cpu_arch=provider.image_arch,
     )
 
 

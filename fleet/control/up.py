@@ -258,6 +258,7 @@ async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request:
         storage_usd_per_hour=offer_rules.storage_price_per_hour(offer),
         contract_end_at=datetime.fromtimestamp(offer.end_date, UTC) if offer.end_date else None,
         inet_down_mbps=offer.inet_down_mbps,
+        image_bytes=int(ctx.settings.provider.image_gb_for(profile.engine) * 1e9),
         slots=profile.slots,
         owner=ctx.owner,
         lease_until=utcnow() + timedelta(seconds=ctx.settings.up.lease_s),

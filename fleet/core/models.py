@@ -153,6 +153,8 @@ class Host(SQLModel, table=True):
     # address alone is checked)
     tls_name: str | None = None
     inet_down_mbps: float = 0.0  # the link speed its offer advertised: the pull's deadline scales with it
+    # its image's compressed size, pulled by the machine at create (billed as download; the boot waits for it)
+    image_bytes: int = Field(default=0, sa_type=BigInteger)
     health_failures: int = 0  # consecutive failed health sweeps
     last_health_at: datetime | None = None
     replaces: int | None = Field(default=None, foreign_key="hosts.id")  # the host this one was brought up to replace

@@ -44,6 +44,10 @@ class Provider(Strict):
     # how long one request waits out the marketplace's 429s (Retry-After honoured) before it fails; a bring-up
     # phase's own deadline ends the wait sooner, and blames no machine for it
     rate_limited_wait_s: Annotated[float, Field(gt=0, le=3600)] = 600
+    # the images' compressed sizes: every new instance pulls its image at its machine's link (vast.ai: loading
+    # "can take hours with slow internet/large images") and pays for the bytes; the boot's deadline grows with it
+    image_gb: Annotated[float, Field(ge=0, le=200)] = 5.0
+    vllm_image_gb: Annotated[float, Field(ge=0, le=200)] = 12.0
     # the CPU architecture fleet's images are built for (images/*/Dockerfile: amd64): vast.ai lists arm64 machines
     # too (a GH200 passes every GPU filter), where an amd64 image cannot start
     image_arch: Literal["amd64", "arm64"] = "amd64"
@@ -75,6 +79,10 @@ class Provider(Strict):
     def image_for(self, engine: str) -> str:
         """The image a host of `engine` boots."""
         return self.vllm_image if engine == "vllm" else self.image
+
+    def image_gb_for(self, engine: str) -> float:
+        """What pulling the image a host of `engine` boots downloads (GB)."""
+        return self.vllm_image_gb if engine == "vllm" else self.image_gb
 
     @property
     def is_local(self) -> bool:

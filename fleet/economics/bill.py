@@ -21,7 +21,7 @@ class BillLine:
     hours: float
     standby_hours: float  # of those, stopped: the disk alone billed
     rent_usd: float  # dph_total x running hours + the disk's $/h x the hours it loaded or was stopped
-    pull_usd: float  # the model files' bytes at the machine's download $/GB
+    pull_usd: float  # the image's and the model files' bytes at the machine's download $/GB
     traffic_usd: float  # the profile's expected GB/h at the machine's $/GB, x serving hours
     total_usd: float
 
@@ -57,9 +57,9 @@ def loading_hours(host: Host, now: datetime | None = None) -> float:
 
 
 def pull_usd(host: Host) -> float:
-    """What downloading its model files cost: vast.ai bills "every byte sent or received ... regardless of
-    what state it is in"."""
-    return (host.pulled_bytes or 0) / GB * host.inet_down_usd_per_gb
+    """What downloading its image and its model files cost: vast.ai bills "every byte sent or received ...
+    regardless of what state it is in"."""
+    return ((host.pulled_bytes or 0) + host.image_bytes) / GB * host.inet_down_usd_per_gb
 
 
 def rent_usd(host: Host, now: datetime | None = None) -> float:

@@ -32,7 +32,7 @@ from fleet.host import addresses, certificate, hostkey
 from fleet.host import ops as hostops
 from fleet.host import profile as profiles
 from fleet.host import snapshot as snapshots
-from fleet.host.instance import wait_running, wait_stopped
+from fleet.host.instance import image_pull_s, wait_running, wait_stopped
 from fleet.host.measure import probe_host
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, connect
@@ -98,6 +98,8 @@ class BringUp:
                 limit = getattr(timeouts, timeout) if timeout else None
                 if phase.name == "pull" and not self.resume:
                     limit = self.pull_limit_s = await profiles.pull_deadline(self.ctx, self.host, self.profile)
+                if phase.name == "boot" and not self.resume and limit is not None:
+                    limit += image_pull_s(self.host, timeouts)  # the image comes down the machine's listed link
                 began = time.monotonic()
                 try:
                     async with asyncio.timeout(limit + GRACE_S if limit else None):

@@ -33,6 +33,15 @@ async def wait_stopped(ctx: Context, host: Host) -> None:
                 raise PhaseFailed("stop", f"instance is frozen: {instance.status_msg or 'no message'}")
 
 
+def image_pull_s(host: Host, timeouts: Timeouts) -> float:
+    """How long a new instance's image may take to pull, at timeouts.pull_speed_share of the link its offer
+    listed: the boot waits that long beyond timeouts.create_to_running (a big image on a slow link is no sign
+    of a bad machine; a link slower than it listed is)."""
+    if host.image_bytes <= 0 or host.inet_down_mbps <= 0:
+        return 0.0
+    return host.image_bytes / (host.inet_down_mbps * 1e6 / 8 * timeouts.pull_speed_share)
+
+
 async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Instance:
     """Wait, on the shared listing, until the instance runs with its SSH and service ports mapped.
 
@@ -46,7 +55,8 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
     timeouts: Timeouts = ctx.settings.timeouts
     started = time.monotonic()
     bound = "standby_start" if resuming else "create_to_running"
-    deadline = started + getattr(timeouts, bound)
+    limit = getattr(timeouts, bound) + (0.0 if resuming else image_pull_s(host, timeouts))
+    deadline = started + limit
     seen = False
     lost_since: float | None = None
     generation = 0
@@ -95,9 +105,9 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
             else:
                 lost_since = None
             if now >= deadline:
+                pull = "" if limit == getattr(timeouts, bound) else ", with the image's pull at the listed link"
                 raise PhaseFailed(
-                    "boot",
-                    f"still {instance.status or 'provisioning'} after {getattr(timeouts, bound):g}s (timeouts.{bound})",
+                    "boot", f"still {instance.status or 'provisioning'} after {limit:.0f}s (timeouts.{bound}{pull})"
                 )
 
 

@@ -76,6 +76,16 @@ class Booting:
         boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
         self._tasks.setdefault(inst.id, []).append(boot)
 
+    async def _pull_image(self, inst: Instance) -> None:
+        """The machine downloads the image over its own link: the bytes are billed as download ("every byte sent
+        or received") and take the time its `inet_down` gives them, scaled by the cloud's clock (a five-minute
+        pull is seconds here, as boot phases are)."""
+        size = image_bytes(inst.image, self.faults.image_sizes)
+        self.count_traffic(inst.id, down=size)
+        mbps = float(inst.offer.get("inet_down") or 0.0)
+        if mbps > 0:
+            await asyncio.sleep(size * 8 / (mbps * 1e6) * self.settings.pull_time_scale)
+
     def _set_status(self, inst: Instance, status: str | None, msg: str | None) -> None:
         inst.status, inst.status_msg = status, msg
         self.save()
@@ -124,6 +134,10 @@ class Booting:
             )
             return
         self._set_status(inst, "loading", f"Pulling image {inst.image}")
+        if not restart:  # a restarted instance finds its image on the machine
+            await self._pull_image(inst)
+            if inst.id not in self.state.instances:
+                return
         host = self.host_for(inst)
         env = inst.container_env()
         boot_steps = [host.prepare, host.start_platform_sshd if inst.ssh_mode else lambda: host.start_entrypoint(env)]
@@ -239,6 +253,19 @@ class Booting:
                 await asyncio.sleep(period * (1 - share))
             else:
                 await asyncio.sleep(period)
+
+
+# The compressed size of each of fleet's images as built (CUDA's runtime and cuDNN under llama-server; vLLM's own
+# image), and of any other image a test rents (fault `image_sizes` names others)
+IMAGE_BYTES = {"llama-server": 5_000_000_000, "vllm": 12_000_000_000}
+OTHER_IMAGE_BYTES = 1_000_000_000
+
+
+def image_bytes(image: str, sizes: dict[str, int]) -> int:
+    if image in sizes:
+        return sizes[image]
+    engine = toolchain.image_engine(image)
+    return IMAGE_BYTES[engine] if "fleet-voice/" in image else OTHER_IMAGE_BYTES
 
 
 def _arch(image: str) -> str:

@@ -99,6 +99,8 @@ class Faults:
     # machine -> the instance whose published ports its listing names instead of its own (a lying listing: the
     # marketplace's word for where a host serves is all fleet has)
     lying_ports: dict[int, int] = field(default_factory=dict)
+    # images' compressed sizes (bytes) beside the local cloud's own table: what a create's pull downloads
+    image_sizes: dict[str, int] = field(default_factory=dict)
     # how long an expired instance is kept before vast.ai deletes it (None: its 48 h)
     expired_kept_s: float | None = None
     # machines whose sshd never takes the host key the create call's onstart installs: someone else answers
@@ -147,6 +149,7 @@ class Faults:
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
             lying_ports={int(k): int(v) for k, v in data.get("lying_ports", {}).items()},
             expired_kept_s=float(data["expired_kept_s"]) if data.get("expired_kept_s") is not None else None,
+            image_sizes={str(k): int(v) for k, v in data.get("image_sizes", {}).items()},
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],

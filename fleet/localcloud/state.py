@@ -27,6 +27,9 @@ class CloudSettings:
     vllm_python: Path | None = None  # scripts/setup-vllm's environment: what a vLLM image's hosts run
     provision_delay_s: float = 0.6  # null -> scheduling -> created, a third each
     loading_delay_s: float = 1.0
+    # seconds here for each second an image's pull takes at its machine's link (a 5 GB image at 128 Mbit/s: 5 min
+    # on vast.ai, 3 s here)
+    pull_time_scale: float = 0.01
     hub_bytes_per_s: int = 4 * 1024 * 1024  # per connection, like a CDN edge
     kind: bool = False
 
