@@ -20,7 +20,7 @@ from fleet.market import AuthError, reads_gone
 from fleet.market.pacing import Pacer
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
-from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
+from tests.fleetkit import first_machine, fleet_for, ranked_offers, settings_for, write_config
 from tests.helpers import cheapest_offer, listed_instances, polite, rent, wait_status
 
 
@@ -275,6 +275,39 @@ async def test_a_big_image_on_a_slow_link_is_waited_for_and_its_bytes_are_billed
                 image_usd + (host.pulled_bytes or 0) / 1e9 * host.inet_down_usd_per_gb
             )
             assert fleet.record.blacklist() == []
+            await fleet.destroy(None)
+    finally:
+        cloud.set_faults({})
+
+
+async def test_a_machine_announced_for_maintenance_is_not_rented_and_a_host_on_one_moves_ahead(cloud, tmp_path):
+    """vast.ai's maintenance windows (`show maints`): a machine whose host takes it down within the time a new
+    host must serve is left out (the funnel says so); a READY host whose machine goes down in two hours moves,
+    make before break, blaming no machine; a machine in its window is down in the local cloud."""
+    settings = settings_for(tmp_path)
+    first = await first_machine(settings)
+    cloud.set_faults({"maintenances": {first: [time.time() + 3600, 2.0]}})
+    try:
+        async with fleet_for(settings) as fleet:
+            funnel = await fleet.offers("tiny", "eu")
+            assert ("no maintenance announced within 48 h", 1) in funnel.removed
+            [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+            assert host.machine_id != first
+            cloud.set_faults({"maintenances": {host.machine_id: [time.time() + 2 * 3600, 1.0]}})
+            [report] = await rotation.health_sweep(fleet)
+            assert "maintenance starts at" in report.reason and report.replaced_by, report
+            [new] = fleet.record.hosts(names=[report.replaced_by])
+            assert new.state == HostState.READY and new.machine_id != host.machine_id
+            assert fleet.record.blacklist() == []
+            # the local cloud takes a machine down for its window
+            cloud.set_faults({"maintenances": {new.machine_id: [time.time() + 1, 1.0]}})
+            async with cloud.client() as api:
+                deadline = time.monotonic() + 30
+                while (await polite(api, "GET", f"/api/v0/instances/{new.instance_id}/")).json()["instances"][
+                    "actual_status"
+                ] != "offline":
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.5)
             await fleet.destroy(None)
     finally:
         cloud.set_faults({})

@@ -68,7 +68,11 @@ async def search(
     if record_seen:
         for o in found:
             ctx.record.add(seen(ctx.market.url, o))
-    return offer_rules.funnel(found, wanted, profile, query)
+    result = offer_rules.funnel(found, wanted, profile, query)
+    # a machine its host will take down for maintenance before a host there has served its time: not rented
+    async with ctx.waits.on("market"):
+        windows = await ctx.market.maintenances(sorted({o.machine_id for o in result.passed}))
+    return offer_rules.without_maintenance(result, windows, wanted.contract_ends_after)
 
 
 def seen(provider_url: str, offer: Offer) -> OfferSeen:

@@ -29,7 +29,7 @@ from fleet.host import measure
 from fleet.host.endpoints import publish
 from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
-from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance
+from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance, Maintenance
 from fleet.probes.server import bounded
 
 HOURS_PER_MONTH = 730
@@ -114,6 +114,15 @@ def ending_soon(host: Host, by: datetime) -> str | None:
     return None
 
 
+def maintenance_soon(host: Host, windows: list[Maintenance], by: datetime) -> str | None:
+    """Why a healthy host must move before `by`: its machine's host announced maintenance that starts by then
+    (the machine goes down with the host on it)."""
+    starts = [w.start for w in windows if w.machine_id == host.machine_id and w.start <= by.timestamp()]
+    if not starts:
+        return None
+    return f"its machine's maintenance starts at {datetime.fromtimestamp(min(starts), UTC):%Y-%m-%d %H:%M} UTC"
+
+
 def take_extension(ctx: Context, host: Host, instance: Instance | None) -> None:
     """A contract its host extended (vast.ai: the host may move the end date forward, and says so): the host
     serves on until the new end, instead of being replaced before the old one. An end moved sooner is not
@@ -144,6 +153,7 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     checks = await asyncio.gather(*(check_host(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
     ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
+    windows = await ctx.market.maintenances(sorted({h.machine_id for h in hosts})) if hosts else []
     for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
         take_extension(ctx, host, view.get(host.instance_id or -1))
         failures = 0 if healthy else host.health_failures + 1
@@ -155,7 +165,7 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
         reports.append(report)
         if gone or failures >= ctx.settings.rotation.unhealthy_after_sweeps:
             doomed.append((host, report))
-        elif ends := ending_soon(host, ending):
+        elif ends := ending_soon(host, ending) or maintenance_soon(host, windows, ending):
             report.reason, report.blame = ends, False
             doomed.append((host, report))
     limit = asyncio.Semaphore(ctx.settings.rotation.max_concurrent_replacements)

@@ -8,11 +8,12 @@ and the funnel can say how many offers each filter removed.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fleet.core.config import Filters, Profile
-from fleet.market import Offer, OfferQuery
+from fleet.market import Maintenance, Offer, OfferQuery
 
 # The hours a host is expected to serve before it is replaced (the nightly reprice): what a bring-up costs once
 # (its pull, its hours before READY) is spread over them.
@@ -151,6 +152,17 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query:
         result.removed.append((name, len(remaining) - len(kept)))
         remaining = kept
     result.passed = sorted(remaining, key=lambda o: (expected_price_per_hour(o, profile, criteria.pull_gb), o.id))
+    return result
+
+
+def without_maintenance(result: Funnel, windows: Iterable[Maintenance], until: float) -> Funnel:
+    """The funnel less the offers whose machine is down for an announced maintenance before `until` (epoch s: as
+    long as a host there must serve), counted as one more filter."""
+    down = {w.machine_id for w in windows if w.start < until}
+    kept = [o for o in result.passed if o.machine_id not in down]
+    hours = max((until - time.time()) / 3600, 0.0)
+    result.removed.append((f"no maintenance announced within {hours:.0f} h", len(result.passed) - len(kept)))
+    result.passed = kept
     return result
 
 

@@ -196,6 +196,15 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
             }
         )
 
+    async def maintenances(request: web.Request) -> web.Response:
+        try:
+            ids = json.loads(request.query.get("machine_ids", "[]"))
+        except ValueError:
+            ids = None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ApiError(400, "invalid_args", "machine_ids: a JSON list of machine ids")
+        return json_response(cloud.maintenances(ids))
+
     async def admin_extend(request: web.Request) -> web.Response:
         body = await read_json(request)
         end = body.get("end_date") if isinstance(body, dict) else None
@@ -227,6 +236,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     r.add_get("/health", health)  # the local cloud's own liveness, outside the faulted API
     both("GET", "/admin/faults", admin_faults_get)
     both("PUT", "/admin/faults", admin_faults_put)
+    both("GET", "/api/v0/machines/maintenances", maintenances)
     both("PUT", "/admin/offers/{id}", admin_offer_put)
     both("PUT", "/admin/instances/{id}/contract", admin_extend)
     both("GET", "/admin/hub-stats", admin_hub_stats)
@@ -262,6 +272,7 @@ PERMISSIONS = {
     ("POST", "/api/v0/ssh/"): "user_write",
     ("DELETE", "/api/v0/ssh/{id}/"): "user_write",
     ("GET", "/api/v0/charges/"): "billing_read",
+    ("GET", "/api/v0/machines/maintenances"): "instance_read",
 }
 
 

@@ -234,6 +234,12 @@ class Booting:
                 await self._network(inst).stop()
                 await self._forget(inst.id)
                 return
+            window = self.faults.maintenances.get(inst.machine_id)
+            if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
+                # the announced maintenance: the machine goes down, and everything on it with it
+                await self._network(inst).stop()
+                self._set_status(inst, "offline", "machine in scheduled maintenance")
+                return
             offline_after = self.faults.offline_after_s.get(inst.machine_id)
             if offline_after is not None and running_for >= offline_after:
                 # the host's network is gone (its processes run on, unreachable): every connection drops

@@ -99,6 +99,9 @@ class Faults:
     # machine -> the instance whose published ports its listing names instead of its own (a lying listing: the
     # marketplace's word for where a host serves is all fleet has)
     lying_ports: dict[int, int] = field(default_factory=dict)
+    # machines' announced maintenance windows: machine -> [start (epoch s), duration (hours)]; an instance there
+    # goes offline for the window (the machine is down)
+    maintenances: dict[int, list[float]] = field(default_factory=dict)
     # images' compressed sizes (bytes) beside the local cloud's own table: what a create's pull downloads
     image_sizes: dict[str, int] = field(default_factory=dict)
     # how long an expired instance is kept before vast.ai deletes it (None: its 48 h)
@@ -150,6 +153,7 @@ class Faults:
             lying_ports={int(k): int(v) for k, v in data.get("lying_ports", {}).items()},
             expired_kept_s=float(data["expired_kept_s"]) if data.get("expired_kept_s") is not None else None,
             image_sizes={str(k): int(v) for k, v in data.get("image_sizes", {}).items()},
+            maintenances={int(k): [float(v[0]), float(v[1])] for k, v in data.get("maintenances", {}).items()},
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],

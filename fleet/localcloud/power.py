@@ -1,7 +1,8 @@
 """Stop and start, and a contract's end, as vast.ai does them: a stopped instance's processes end and its
 network goes, its disk stays, the GPU's price stops and the disk's runs on; a start waits in `scheduling` while
 its machine's GPU is taken, then boots through the platform's init again on new external ports; a contract
-ends on its date, its host may move that date forward, and an expired instance is deleted 48 h later."""
+ends on its date, its host may move that date forward, and an expired instance is deleted 48 h later; a
+machine's announced maintenance takes it down for its window."""
 
 from __future__ import annotations
 
@@ -109,3 +110,21 @@ class Power(Booting):
         inst.offer = {**inst.offer, "end_date": float(end_date)}
         self.save()
         return {"success": True, "end_date": inst.offer["end_date"]}
+
+    def maintenances(self, machine_ids: list[int]) -> list[dict[str, Any]]:
+        """The announced maintenance windows of these machines, as vast.ai lists them (`show maints`)."""
+        rows = []
+        for machine_id in machine_ids:
+            window = self.faults.maintenances.get(machine_id)
+            if window is not None and window[0] + window[1] * 3600 > time.time():
+                start, hours = window
+                rows.append(
+                    {
+                        "machine_id": machine_id,
+                        "start_time": start,
+                        "end_time": start + hours * 3600,
+                        "duration_hours": hours,
+                        "maintenance_category": "other",
+                    }
+                )
+        return rows

@@ -183,6 +183,15 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True)
+class Maintenance:
+    """A maintenance window a machine's host announced: the machine is down from `start` to `end` (epoch s)."""
+
+    machine_id: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class Instance:
     id: int
     status: str | None  # vast.ai's actual_status: None, loading, running, exited, ...

@@ -3,12 +3,13 @@ on (a malformed one is an error, never a guess)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import httpx
 
-from fleet.market import Instance, MarketError
+from fleet.market import Instance, Maintenance, MarketError
 
 
 def json_or_none(response: httpx.Response) -> Any:
@@ -80,3 +81,19 @@ def instance_from_row(row: Any) -> Instance:
         raise MarketError(
             f"malformed instance row {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]
         ) from None
+
+
+def maintenances_from(answer: Any) -> list[Maintenance]:
+    """`show maints`' answer: a list of windows, each a machine and its start and end (epoch s)."""
+    if not isinstance(answer, list):
+        raise MarketError(f"maintenances answered {type(answer).__name__}, not a list")
+    found = []
+    for row in answer:
+        try:
+            machine, start, end = int(row["machine_id"]), float(row["start_time"]), float(row["end_time"])
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise MarketError(f"malformed maintenance window: {type(e).__name__}: {e}"[:300]) from None
+        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+            raise MarketError(f"malformed maintenance window of machine {machine}: {start}..{end}")
+        found.append(Maintenance(machine, start, end))
+    return found

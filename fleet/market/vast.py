@@ -24,6 +24,7 @@ from fleet.market import (
     CreditSpent,
     Instance,
     InstanceSpec,
+    Maintenance,
     MarketError,
     Offer,
     OfferGone,
@@ -33,7 +34,15 @@ from fleet.market import (
     Transient,
     reads_gone,
 )
-from fleet.market.answers import instance_from_row, is_number, json_or_none, message, quota_message, text_excerpt
+from fleet.market.answers import (
+    instance_from_row,
+    is_number,
+    json_or_none,
+    maintenances_from,
+    message,
+    quota_message,
+    text_excerpt,
+)
 from fleet.market.pacing import Budget, Pacer, shared_pacer
 
 log = logging.getLogger("fleet.market")
@@ -281,6 +290,17 @@ class VastMarket:
         """Put our key on one instance (POST /instances/{id}/ssh/, which needs instance_write), for an API key
         that may not register one on the account (POST /ssh/ needs user_write)."""
         await self._request("ssh_attach", "POST", f"/api/v0/instances/{instance_id}/ssh/", json={"ssh_key": public_key})
+
+    async def maintenances(self, machine_ids: list[int]) -> list[Maintenance]:
+        """The maintenance windows announced for these machines that have not ended (vast.ai's `show maints`:
+        GET /machines/maintenances, readable with instance_read); a malformed answer is an error."""
+        found: list[Maintenance] = []
+        for i in range(0, len(machine_ids), PAGE * 4):
+            ids = sorted(set(machine_ids[i : i + PAGE * 4]))
+            params = {"owner": "me", "machine_ids": json.dumps(ids)}
+            answer = await self._request("maintenances", "GET", "/api/v0/machines/maintenances", params=params)
+            found += maintenances_from(answer)
+        return found
 
     async def credit(self) -> float | None:
         """The account's available credit in $ (`users/current`'s `credit`: "The credit field shows your
