@@ -3,6 +3,7 @@ rate limits, read lag, boot phases, heartbeat gaps, NAT'd ports, SSH as the plat
 money. Each test here is a row of that ledger, seen through the raw API."""
 
 import asyncio
+import json
 import re
 import time
 
@@ -52,12 +53,20 @@ async def test_rate_limits_are_per_endpoint_intervals_with_vast_bodies(cloud, ap
     assert (await api.get("/api/v0/instances/1/")).status_code == 429  # 1.5 s after the refused one
     await asyncio.sleep(2.1)
     assert (await api.get("/api/v0/instances/1/")).status_code == 200
-    # other endpoints keep their own clocks: the listing answers, then refuses in plain text
+    # other endpoints keep their own clocks: the listing answers, then refuses with `detail` (its OpenAPI file)
     listing = await polite(api, "GET", "/api/v1/instances/")
     assert listing.status_code == 200
     refused = await api.get("/api/v1/instances/")
-    assert refused.status_code == 429 and refused.headers["content-type"].startswith("text/plain")
-    assert refused.text.startswith("API requests too frequent")
+    assert refused.status_code == 429 and refused.json() == {
+        "detail": "API requests too frequent endpoint threshold=1.0"
+    }
+    # its bad requests say `invalid_request` (`invalid_token` for a cursor), without `success`
+    bad = await polite(
+        api, "GET", "/api/v1/instances/", params={"select_filters": json.dumps({"dph_total": {"gt": 1}})}
+    )
+    assert bad.status_code == 400 and bad.json()["error"] == "invalid_request" and "success" not in bad.json()
+    cursor = await polite(api, "GET", "/api/v1/instances/", params={"after_token": "not-a-token"})
+    assert cursor.status_code == 400 and cursor.json()["error"] == "invalid_token"
     # destroy answers in the common error shape
     await polite(api, "DELETE", "/api/v0/instances/1/")
     refused = await api.delete("/api/v0/instances/1/")

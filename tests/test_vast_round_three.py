@@ -311,3 +311,30 @@ async def test_a_machine_announced_for_maintenance_is_not_rented_and_a_host_on_o
             await fleet.destroy(None)
     finally:
         cloud.set_faults({})
+
+
+async def test_the_local_cloud_holds_creates_to_vast_ais_input_limits_and_bills_no_offline_time(cloud):
+    """vast.ai's create validation (args, args_str and onstart 4096 characters together; an env value 256, all
+    of env 32768), and its billing: "You are not charged active rental or storage costs for instances that are
+    currently offline"."""
+    async with cloud.client() as api:
+        offer = await cheapest_offer(api)
+        ask = f"/api/v0/asks/{offer['id']}/"
+        for body, says in (
+            ({"onstart": "x" * 3000, "args_str": "y" * 1200}, "4096"),
+            ({"env": {"TOKEN": "z" * 257}}, "256"),
+            ({"env": {f"K{i}": "v" * 200 for i in range(200)}}, "32768"),
+        ):
+            refused = await polite(api, "PUT", ask, json={"image": "x", "disk": 10, **body})
+            assert refused.status_code == 400 and refused.json()["error"] == "invalid_args", refused.text
+            assert says in refused.json()["msg"]
+        instance_id = await rent(api, offer["id"], label="other:offline")
+        try:
+            await wait_status(api, instance_id, "running", timeout_s=60)
+            cloud.set_faults({"offline_after_s": {offer["machine_id"]: 0}})
+            await wait_status(api, instance_id, "offline", timeout_s=30)
+            charges = [c for c in cloud.state()["charges"] if c["instance_id"] == instance_id]
+            assert {c["kind"] for c in charges if c["end"] is None} == {"bandwidth"}  # no GPU, no disk while offline
+        finally:
+            cloud.set_faults({})
+            await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/")

@@ -86,6 +86,12 @@ class Booting:
         if mbps > 0:
             await asyncio.sleep(size * 8 / (mbps * 1e6) * self.settings.pull_time_scale)
 
+    def _go_offline(self, inst: Instance, msg: str) -> None:
+        """The machine stops answering: vast.ai bills neither the GPU nor the disk of an offline instance ("You are
+        not charged active rental or storage costs for instances that are currently offline")."""
+        billing.close_open(self.state.charges, inst.id, time.time(), kinds=("gpu", "storage"))
+        self._set_status(inst, "offline", msg)
+
     def _set_status(self, inst: Instance, status: str | None, msg: str | None) -> None:
         inst.status, inst.status_msg = status, msg
         self.save()
@@ -238,13 +244,13 @@ class Booting:
             if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
                 # the announced maintenance: the machine goes down, and everything on it with it
                 await self._network(inst).stop()
-                self._set_status(inst, "offline", "machine in scheduled maintenance")
+                self._go_offline(inst, "machine in scheduled maintenance")
                 return
             offline_after = self.faults.offline_after_s.get(inst.machine_id)
             if offline_after is not None and running_for >= offline_after:
                 # the host's network is gone (its processes run on, unreachable): every connection drops
                 await self._network(inst).stop()
-                self._set_status(inst, "offline", "host is offline")
+                self._go_offline(inst, "host is offline")
                 return
             if inst.machine_id in self.faults.host_key_change:
                 self.faults.host_key_change.remove(inst.machine_id)

@@ -3,6 +3,7 @@ the disk, the label, onstart, the launch mode, the environment with its `-p` por
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,11 @@ def pull_error(image: str, login: str | None, missing: list[str], private: dict[
     return None
 
 
+MAX_LAUNCH_CHARS = 4096
+MAX_ENV_VALUE_CHARS = 256
+MAX_ENV_CHARS = 32768
+
+
 def parse_create(offer_id: int, body: Any) -> CreateRequest:
     """The create call's body as vast.ai reads it; ApiError 400 with its words for what it refuses."""
     if not isinstance(body, dict):
@@ -141,6 +147,21 @@ def parse_create(offer_id: int, body: Any) -> CreateRequest:
     runtype = body.get("runtype") or "ssh"
     if not isinstance(runtype, str):
         raise ApiError(400, "invalid_args", "Invalid args: 'runtype' must be a string", ask_id=offer_id)
+    # vast.ai's input validation (its OpenAPI's x-input-validation for create): args, args_str and onstart
+    # together at most 4096 characters; each env value at most 256, all of env at most 32768
+    launched = [body.get(k) for k in ("args", "args_str", "onstart")]
+    launch_chars = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in launched if v is not None)
+    if launch_chars > MAX_LAUNCH_CHARS:
+        raise ApiError(
+            400, "invalid_args", f"Invalid args: args, args_str and onstart exceed {MAX_LAUNCH_CHARS} characters",
+            ask_id=offer_id,
+        )  # fmt: skip
+    if any(len(v) > MAX_ENV_VALUE_CHARS for v in env.values()):
+        raise ApiError(
+            400, "invalid_args", f"Invalid args: an env value exceeds {MAX_ENV_VALUE_CHARS} characters", ask_id=offer_id
+        )
+    if sum(len(k) + len(v) for k, v in env.items()) > MAX_ENV_CHARS:
+        raise ApiError(400, "invalid_args", f"Invalid args: env exceeds {MAX_ENV_CHARS} characters", ask_id=offer_id)
     image_login = body.get("image_login")
     if image_login is not None and (not isinstance(image_login, str) or len(image_login) > 2048):
         raise ApiError(400, "invalid_args", "Invalid args: 'image_login' must be a string", ask_id=offer_id)

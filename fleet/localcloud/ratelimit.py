@@ -35,7 +35,7 @@ LIMITS: dict[tuple[str, str], Limit] = {
     ("POST", "/api/v0/bundles"): Limit(0.0, per_minute=10),
     ("PUT", "/api/v0/asks/{id}"): Limit(4.5, penalty_s=12.0, body="detail"),
     ("GET", "/api/v0/instances/{id}"): Limit(2.0, body="detail"),
-    ("GET", "/api/v1/instances"): Limit(1.0),
+    ("GET", "/api/v1/instances"): Limit(1.0, body="detail"),
     ("DELETE", "/api/v0/instances/{id}"): Limit(3.0, body="error"),
     ("PUT", "/api/v0/instances/{id}"): Limit(1.0, body="error"),
     ("POST", "/api/v0/ssh"): Limit(1.0),

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from fleet.localcloud import network, query
-from fleet.localcloud.apierror import ApiError
+from fleet.localcloud.apierror import NO_SUCCESS, ApiError
 from fleet.localcloud.instances import Instance
 
 MAX_LIST_LIMIT = 25
@@ -16,26 +16,34 @@ MAX_LIST_LIMIT = 25
 def list_page(visible: list[Instance], rows: list[dict[str, Any]], params: dict[str, str]) -> dict[str, Any]:
     """The list endpoint's answer: `rows` (of the `visible` instances, by id) filtered, sorted and paged as
     `params` ask, with vast.ai's limits and errors."""
+    # its 400s say `invalid_request` (or `invalid_token` for a cursor) in a body without `success` (vast.ai's
+    # OpenAPI show_instances.yaml)
+    def refused(what: object, error: str = "invalid_request") -> ApiError:
+        return ApiError(400, error, f"Error in query parameters: {what}", shape=NO_SUCCESS)
+
+    try:
+        after = params.get("after_token")
+        after_id = int(json.loads(after)) if after not in (None, "", "null") else None
+    except (ValueError, TypeError):
+        raise refused("after_token is not a token of this listing", "invalid_token") from None
     try:
         select_filters = json.loads(params.get("select_filters", "{}") or "{}")
         order_by = json.loads(params.get("order_by", "[]") or "[]")
         limit = query.parse_limit(json.loads(params.get("limit", "25")), 25, MAX_LIST_LIMIT)
-        after = params.get("after_token")
-        after_id = int(json.loads(after)) if after not in (None, "", "null") else None
         if not isinstance(select_filters, dict) or not isinstance(order_by, list):
             raise query.QueryError("select_filters must be an object and order_by a list")
         query.validate_filters(select_filters)
     except (ValueError, TypeError) as e:
-        raise ApiError(400, "invalid_args", f"Invalid args: {e}") from None
+        raise refused(e) from None
     if limit <= 0:
         limit = 5
     for col in select_filters:
         if col in ("dph_total", "num_gpus"):
-            raise ApiError(400, "invalid_args", f"Invalid args: cannot filter on computed column {col}")
+            raise refused(f"{col} is not a valid search key")
     try:
         rows = [r for r in rows if query.matches(r, select_filters)]
     except query.QueryError as e:
-        raise ApiError(400, "invalid_args", f"Invalid args: {e}") from None
+        raise refused(e) from None
     order = [(o.get("col", "id"), o.get("dir") == "desc") for o in order_by if isinstance(o, dict)]
     rows = query.sort_rows(rows, [*order, ("id", False)])
     if after_id is not None:

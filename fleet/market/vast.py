@@ -336,7 +336,7 @@ class NotFound(MarketError):
 
 # (OfferQuery's field, the search's column, its operator): the filters fleet would apply anyway
 _QUALITY = (
-    ("min_reliability", "reliability2", "gt"),
+    ("min_reliability", "reliability", "gt"),  # offers_fields lists `reliability`; its `reliability2` is commented out
     ("min_cuda", "cuda_max_good", "gte"),
     ("min_disk_gb", "disk_space", "gte"),
     ("min_direct_ports", "direct_port_count", "gte"),
