@@ -16,6 +16,7 @@ MAX_LIST_LIMIT = 25
 def list_page(visible: list[Instance], rows: list[dict[str, Any]], params: dict[str, str]) -> dict[str, Any]:
     """The list endpoint's answer: `rows` (of the `visible` instances, by id) filtered, sorted and paged as
     `params` ask, with vast.ai's limits and errors."""
+
     # its 400s say `invalid_request` (or `invalid_token` for a cursor) in a body without `success` (vast.ai's
     # OpenAPI show_instances.yaml)
     def refused(what: object, error: str = "invalid_request") -> ApiError:
