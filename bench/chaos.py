@@ -173,6 +173,38 @@ def image_not_pulled(bed: Bed, rng: random.Random) -> None:
     bed.faults({})
 
 
+def lying_listing(bed: Bed, rng: random.Random) -> None:
+    # a machine whose listing names the ports of a host fleet serves on: no certificate, the next offer serves
+    bed.fleet("up", "--model", "tiny", "--region", "eu")
+    [first] = bed.hosts()
+    [liar] = bed.first_machines(1)
+    bed.faults({"lying_ports": {str(liar): first["instance_id"]}})
+    bed.fleet("up", "--model", "tiny", "--region", "eu")  # the liar fails at its certificate; the next serves
+    bed.own["machine lied, not blacklisted"] = int(bed.blacklisted() != 1)
+    bed.faults({})
+
+
+def maintenance_announced(bed: Bed, rng: random.Random) -> None:
+    # the cheapest machine goes down for maintenance in an hour: never rented, and nothing is blamed
+    [first] = bed.first_machines(1)
+    bed.faults({"maintenances": {str(first): [time.time() + 3600, 2.0]}})
+    bed.fleet(*UP)
+    bed.own["machine in maintenance rented"] = int(any(h["machine_id"] == first for h in bed.hosts()))
+    bed.own["machines blacklisted"] = bed.blacklisted()
+    bed.faults({})
+
+
+def a_big_image(bed: Bed, rng: random.Random) -> None:
+    # a 60 GB image: its pull lasts past create_to_running on every link, and blames no machine
+    image = next(line for line in bed.config.read_text().splitlines() if line.startswith("image = ")).split('"')[1]
+    bed.configure("image_gb = 5.0", "image_gb = 60.0")
+    bed.configure("create_to_running = 600", "create_to_running = 5  ")
+    bed.faults({"image_sizes": {image: 60_000_000_000}})
+    bed.fleet(*UP)
+    bed.own["machines blacklisted"] = bed.blacklisted()
+    bed.faults({})
+
+
 def credit_spent(bed: Bed, rng: random.Random) -> None:
     bed.fleet(*UP)
     user = httpx.get(
@@ -271,6 +303,9 @@ FAULTS: dict[str, Callable[[Bed, random.Random], None]] = {
     "credit spent mid-session": credit_spent,
     "a contract ends under READY": contract_ends,
     "a second install, one account": second_install,
+    "a listing lends a host's ports": lying_listing,
+    "maintenance announced": maintenance_announced,
+    "a big image on every link": a_big_image,
 }
 
 
