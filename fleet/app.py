@@ -83,8 +83,8 @@ class Fleet(Context):
     def endpoints(self) -> list[dict[str, Any]]:
         return fleet.host.endpoints.endpoints(self)
 
-    async def destroy(self, names: list[str] | None) -> DestroyReport:
-        return await fleet.control.destroy.destroy(self, names)
+    async def destroy(self, names: list[str] | None, keep_gateway: bool = False) -> DestroyReport:
+        return await fleet.control.destroy.destroy(self, names, keep_gateway)
 
     def status(self, include_ended: bool = False) -> list[dict[str, Any]]:
         return fleet.control.status.status(self, include_ended)

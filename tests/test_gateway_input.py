@@ -134,8 +134,9 @@ def test_haproxys_answers_are_read_strictly():
 
 
 def test_what_the_observe_filter_counted_is_read_strictly_and_its_quantiles_interpolated():
-    text = "le 10 25 50\ncalls_t0 s1 4 110.000 1 1 2 0 3 2 300 20\ncalls_t1 s0 0 0.000 0 0 0 0 0 0 0 0\n\n"
+    text = "le 10 25 50\ncalls_t0 s1 4 110.000 1 1 2 0 3 2 300 20 5\ncalls_t1 s0 0 0.000 0 0 0 0 0 0 0 0\n\n"
     first, idle = parse_observed(text)
+    assert (first.answered, idle.answered) == (5, None)  # the second line is an older filter's, without it
     assert (first.backend, first.slot, first.buckets, first.warm_turns, first.warm_turns_cached) == (
         "calls_t0",
         1,
@@ -160,6 +161,8 @@ def test_what_the_observe_filter_counted_is_read_strictly_and_its_quantiles_inte
         "le 10 25\ncalls_t0 s1 2 1.0 1 0 0 0 0 0 0\n",  # buckets that do not add up to the count
         "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 1 2 0 0\n",  # more cached than warm turns
         "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 1 one 0 0\n",  # not a number
+        "le 10 25\ncalls_t0 s1 2 1.0 1 1 0 0 0 0 0 1\n",  # fewer answered than timed
+        "le 10 25\ncalls_t0 s1 1 1.0 1 0 0 0 0 0 0 0 9\n",  # a field too many
     ):
         with pytest.raises(ObservedError):
             parse_observed(bad)

@@ -204,13 +204,19 @@ def destroy_cmd(
     hosts: Annotated[list[str] | None, typer.Argument(help="Host names (see `fleet status`).")] = None,
     all_hosts: Annotated[bool, typer.Option("--all", help="Every live host.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    keep_gateway: Annotated[
+        bool, typer.Option("--keep-gateway", help="With --all: leave the gateway answering 503 (no host) to agents.")
+    ] = False,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """Destroy hosts: the instance deleted, confirmed gone, the cost closed. Idempotent."""
+    """Destroy hosts: the instance deleted, confirmed gone, the cost closed. Idempotent. --all also stops this
+    machine's gateway (its agents' connections are refused) unless --keep-gateway."""
     settings = load_settings(config_path)
     if bool(hosts) == all_hosts:
         fail("name the hosts to destroy, or pass --all", 2)
+    if keep_gateway and not all_hosts:
+        fail("--keep-gateway goes with --all (naming hosts never stops the gateway)", 2)
     if all_hosts and not yes:
         if not sys.stdin.isatty():
             fail("refusing to destroy every host without --yes", 2)
@@ -219,7 +225,7 @@ def destroy_cmd(
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:
             try:
-                return await fleet.destroy(None if all_hosts else list(hosts or []))
+                return await fleet.destroy(None if all_hosts else list(hosts or []), keep_gateway)
             except KeyError as e:
                 fail(str(e.args[0]), 2)
 
@@ -233,7 +239,7 @@ def destroy_cmd(
             {"name": h.name, "instance_id": h.instance_id, "state": h.state, "left_to": h.owner, "until": h.lease_until}
             for h in report.busy
         ]
-        render.print_json({"hosts": rows, "bill": session.as_dict()})
+        render.print_json({"hosts": rows, "bill": session.as_dict(), "gateway_stopped": report.gateway_stopped})
     else:
         render.destroyed(report, session)
     if report.busy:

@@ -238,6 +238,11 @@ def destroyed(report: Any, session: Any) -> None:
         )
     if not report.done and not report.busy:
         line("nothing to destroy")
+    if report.gateway_stopped:
+        line(
+            f"the gateway stopped (HAProxy pid {report.gateway_stopped}): its agents' connections are refused until"
+            " `fleet gateway start` (--keep-gateway leaves it answering 503, no host)"
+        )
     if session.lines:
         rows = [
             (

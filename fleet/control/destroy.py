@@ -1,6 +1,7 @@
 """`fleet destroy`: the named hosts (or every host whose bill is open) destroyed and confirmed gone, each
 bill closed; a host another live process works on is left to it and reported. `--all` also stops this
-machine's gateway: nothing is left serving, no port open."""
+machine's gateway (nothing is left serving, no port open) unless asked to keep it: then its agents get an
+answer they can act on (503, no host, Retry-After) until hosts serve again."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ class DestroyReport:
     gateway_stopped: int | None = None  # the PID of the gateway's HAProxy `--all` stopped
 
 
-async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
-    """Destroy the named hosts (None: every host whose bill is open). Idempotent; confirms each is gone.
-    A host another live process is working on (a bring-up, a drain) is left to it and reported."""
+async def destroy(ctx: Context, names: list[str] | None, keep_gateway: bool = False) -> DestroyReport:
+    """Destroy the named hosts (None: every host whose bill is open, and this machine's gateway unless
+    `keep_gateway`). Idempotent; confirms each is gone. A host another live process is working on (a bring-up, a
+    drain) is left to it and reported."""
     if names is None:
         targets = ctx.record.open_hosts()
     else:
@@ -34,7 +36,7 @@ async def destroy(ctx: Context, names: list[str] | None) -> DestroyReport:
     for host in targets:
         (report.done if await destroy_host(ctx, host) else report.busy).append(host)
     await publish(ctx)
-    if names is None:
+    if names is None and not keep_gateway:
         report.gateway_stopped = await gateway.stop(ctx)
     return report
 

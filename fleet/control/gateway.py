@@ -260,7 +260,8 @@ def _host_row(row: dict[str, str], host: str, observed: SlotObserved | None) -> 
         "status": row.get("status"),
         "streams": int(row.get("scur") or 0),
         "limit": int(row.get("slim") or 0),
-        "served": int(row.get("stot") or 0),
+        # requests it served since it took the slot (HAProxy's own count is the slot's, over every host it held)
+        "served": observed.answered if observed and observed.answered is not None else int(row.get("stot") or 0),
         **(observed.summary() if observed else NOTHING_OBSERVED),
     }
 

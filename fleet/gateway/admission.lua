@@ -3,6 +3,7 @@
 --   "turn": the call (txn.call) is pinned to a host that lives (up, or draining): never refused, it goes there
 --   "new":  a new call, and a host that takes new calls (up, not draining) has a free place
 --   "full": a new call and no free place: overflow, or 503
+--   "none": a new call, and no host takes new calls at all (none READY): overflow, or 503 saying so
 -- A place is one call of the calls its host holds in conversation (host-calls.map beside this file, which fleet
 -- keeps: `fleet bench`'s capacity in calls), counted as the calls pinned to it in the stick table that spoke
 -- within the call idle time; a host never benched for calls has one place per concurrent stream of its
@@ -39,7 +40,7 @@ end
 core.register_fetches("fleet_admit", function(txn, backend)
   local be = core.backends[backend]
   if be == nil then
-    return "full"
+    return "none"
   end
   local call = txn:get_var("txn.call")
   if call ~= nil and be.stktable ~= nil then
@@ -51,9 +52,11 @@ core.register_fetches("fleet_admit", function(txn, backend)
     end
   end
   local counts = nil
+  local open = false
   for name, srv in pairs(be.servers) do
     local stats = srv:get_stats()
     if takes_new(stats.status) then
+      open = true
       local limit = tonumber(calls_limit:lookup(backend .. "/" .. name))
       if limit ~= nil then
         counts = counts or pinned(be)
@@ -64,6 +67,9 @@ core.register_fetches("fleet_admit", function(txn, backend)
         return "new"
       end
     end
+  end
+  if not open then
+    return "none"
   end
   return "full"
 end)

@@ -122,6 +122,9 @@ class GatewayFiles:
     def models(self, index: int) -> Path:
         return self.directory / f"models-t{index}.json"
 
+    def model(self, index: int) -> Path:
+        return self.directory / f"model-t{index}.json"
+
     @property
     def tag(self) -> str:
         """Tells this instance's internal sockets apart from another's on the same machine."""

@@ -20,11 +20,11 @@ A request HAProxy answers itself (refused, /v1/models) never touches a host.
 
 from __future__ import annotations
 
-import json
 from urllib.parse import urlsplit
 
 from fleet.core.config import Settings
 from fleet.core.tls import peer_tls_name
+from fleet.gateway import answers
 from fleet.gateway.files import GatewayFiles
 from fleet.gateway.targets import Target
 
@@ -38,12 +38,6 @@ TLS12_CIPHERS = ":".join(
     for kind in ("ECDSA", "RSA")
 )
 TLS13_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
-
-
-def _error(status: int, kind: str, message: str) -> str:
-    """An OpenAI-shaped error body, as a config string (no quote or backslash ever goes in `message`)."""
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}, separators=(",", ":"))
-    return f"status {status} content-type application/json string '{body}'"
 
 
 def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_file: str) -> str:
@@ -77,6 +71,10 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         "  timeout server 120s",
         f"  timeout queue {int(g.queue_timeout_s * 1000)}ms",
         "  timeout check 2s",
+        # what HAProxy answers itself when a host fails under a request: OpenAI's shape, never its HTML page
+        f"  http-error {answers.HOST_FAILED.rule(g.retry_after_s)}",
+        f"  http-error {answers.HOST_GONE.rule(g.retry_after_s)}",
+        f"  http-error {answers.HOST_TIMEOUT.rule(g.retry_after_s)}",
         "",
     ]
     if g.peers:
@@ -106,7 +104,9 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
     g = settings.gateway
     limit = g.max_body_kb * 1024
     t = f"t{target.index}"
-    full = "{ var(txn.admit) -m str full }"
+    after = g.retry_after_s
+    full = "{ var(txn.admit) -m str full none }"
+    one_model = f"/v1/models/{target.alias}"
     return [
         f"frontend agents_{t}",
         f"  bind {g.listen}:{target.port} ssl crt {files.pem} alpn h2,http/1.1",
@@ -114,25 +114,29 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         "  log global",
         f'  log-format "{_access_log_format(target, files)}"',
         f'  error-log-format "at=%Ts.%ms target={target.alias} client=%ci status=- connection_error=%[fc_err]"',
-        f"  http-request return {_error(404, 'not_found', 'only /v1/chat/completions and /v1/models are served')}"
-        " unless { path /v1/chat/completions /v1/models }",
+        f"  http-request return {answers.NOT_FOUND.rule(after)}"
+        " unless { path /v1/chat/completions /v1/models } || { path_beg /v1/models/ }",
         '  http-request set-var(txn.agent_key) req.hdr(authorization),regsub("^Bearer ",""),sha2(256),hex,lower',
         f"  http-request set-var(txn.agent) var(txn.agent_key),map({files.agent_map})",
         # a key revoked on any gateway (its peers carry the revocation at once) is refused before the next sync
-        f"  http-request return {_error(401, 'invalid_request_error', 'no valid agent key')}"
+        f"  http-request return {answers.BAD_KEY.rule(after)}"
         f" if !{{ var(txn.agent) -m found }} || {{ var(txn.agent_key),table_gpc0({REVOKED}) gt 0 }}",
         f"  http-request return status 200 content-type application/json file {files.models(target.index)}"
         " if { path /v1/models } METH_GET",
-        f"  http-request return {_error(405, 'invalid_request_error', 'GET /v1/models, POST /v1/chat/completions')}"
-        " if { path /v1/models } || !METH_POST",
+        f"  http-request return status 200 content-type application/json file {files.model(target.index)}"
+        f" if {{ path {one_model} }} METH_GET",
+        f"  http-request return {answers.not_served(target.alias).rule(after)} if {{ path_beg /v1/models/ }} METH_GET",
+        f"  http-request return {answers.NOT_ALLOWED.rule(after)} if {{ path_beg /v1/models }} || !METH_POST",
         # a body must say its length: a chunked one is judged by the part the buffer holds, which large headers
         # keep under the limit while the rest streams on to the host (1 MiB passed behind 80 KB of headers)
-        f"  http-request return {_error(411, 'invalid_request_error', 'the request needs a Content-Length')}"
-        " unless { req.hdr_cnt(content-length) eq 1 }",
-        f"  http-request return {_error(413, 'invalid_request_error', 'the request body is too large')}"
+        f"  http-request return {answers.NO_LENGTH.rule(after)} unless {{ req.hdr_cnt(content-length) eq 1 }}",
+        f"  http-request return {answers.TOO_LARGE.rule(after)}"
         f" if {{ req.hdr_val(content-length) gt {limit} }} || {{ req.body_size gt {limit} }}",
-        f"  http-request return {_error(400, 'invalid_request_error', 'the body is not a chat request in JSON')}"
+        f"  http-request return {answers.NOT_CHAT.rule(after)}"
         " unless { req.body,json_query('$.messages[0].role') -m found }",
+        "  http-request set-var(txn.model) req.body,json_query('$.model')",
+        f"  http-request return {answers.not_served(target.alias).rule(after)}"
+        f" if {{ var(txn.model) -m found }} !{{ var(txn.model) -m str {target.alias} }}",
         "  http-request set-var(txn.call) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.user') if !{ var(txn.call) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.prompt_cache_key') if !{ var(txn.call) -m found }",
@@ -145,8 +149,8 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
             [f"  use_backend overflow_{t} if {full}"]
             if g.overflow.url
             else [
-                f"  http-request return {_error(503, 'overloaded', 'every host of this target is full')}"
-                f" hdr Retry-After {g.retry_after_s} if {full}"
+                f"  http-request return {answers.NO_HOST.rule(after)} if {{ var(txn.admit) -m str none }}",
+                f"  http-request return {answers.FULL.rule(after)} if {{ var(txn.admit) -m str full }}",
             ]
         ),
         f"  default_backend {target.backend}",

@@ -26,7 +26,10 @@ local function entry(backend, server)
   local key = backend .. " " .. server
   local e = seen[key]
   if e == nil then
-    e = { buckets = {}, count = 0, sum_ms = 0, warm = 0, warm_cached = 0, cached_tokens = 0, processed_tokens = 0 }
+    e = {
+      buckets = {}, count = 0, sum_ms = 0, warm = 0, warm_cached = 0, cached_tokens = 0, processed_tokens = 0,
+      answered = 0,
+    }
     for i = 1, #BUCKETS_MS + 1 do
       e.buckets[i] = 0
     end
@@ -110,10 +113,14 @@ function Observe:http_payload(txn, msg)
 end
 
 function Observe:http_end(txn, msg)
-  if not msg.channel:is_resp() or self.status ~= 200 then
+  if not msg.channel:is_resp() then
     return
   end
   local e = entry(txn.f:be_name() or "-", txn.f:srv_name() or "-")
+  e.answered = e.answered + 1 -- requests this host answered since it took the slot, whatever their status
+  if self.status ~= 200 then
+    return
+  end
   if self.first_ms ~= nil then
     local i = 1
     while i <= #BUCKETS_MS and self.first_ms > BUCKETS_MS[i] do
@@ -146,12 +153,12 @@ core.register_filter("fleet_observe", Observe, function(f)
 end)
 
 -- `fleet metrics`: a line of the buckets' upper bounds (ms), then one line a backend and slot:
---   BACKEND SERVER COUNT SUM_MS BUCKET_1 ... BUCKET_N+1 WARM WARM_CACHED CACHED_TOKENS PROCESSED_TOKENS
+--   BACKEND SERVER COUNT SUM_MS BUCKET_1 ... BUCKET_N+1 WARM WARM_CACHED CACHED_TOKENS PROCESSED_TOKENS ANSWERED
 core.register_cli({ "fleet", "metrics" }, "fleet: first content and warm turns per host slot", function(applet)
   local lines = { "le " .. table.concat(BUCKETS_MS, " ") }
   for key, e in pairs(seen) do
     lines[#lines + 1] = string.format(
-      "%s %d %.3f %s %d %d %d %d",
+      "%s %d %.3f %s %d %d %d %d %d",
       key,
       e.count,
       e.sum_ms,
@@ -159,7 +166,8 @@ core.register_cli({ "fleet", "metrics" }, "fleet: first content and warm turns p
       e.warm,
       e.warm_cached,
       e.cached_tokens,
-      e.processed_tokens
+      e.processed_tokens,
+      e.answered
     )
   end
   applet:send(table.concat(lines, "\n") .. "\n")

@@ -26,6 +26,7 @@ class SlotObserved:
     warm_turns_cached: int  # ... whose host took part of the prompt from its cache
     cached_tokens: int
     processed_tokens: int
+    answered: int | None = None  # requests its host answered since it took the slot (None: an older filter's line)
 
     def first_content_ms(self, q: float) -> float | None:
         """The q-quantile of first content, interpolated in its bucket (as Prometheus's histogram_quantile
@@ -90,23 +91,35 @@ def parse_observed(text: str) -> list[SlotObserved]:
         raise ObservedError(f"`fleet metrics`: bucket bounds {lines[0][:80]!r}") from None
     if not bounds or list(bounds) != sorted(set(bounds)):
         raise ObservedError(f"`fleet metrics`: bucket bounds {lines[0][:80]!r} do not rise")
-    width = 2 + 2 + len(bounds) + 1 + 4
+    width = 2 + 2 + len(bounds) + 1 + 4  # and the count answered, where the filter is this fleet's
     out = []
     for line in lines[1:]:
         fields = line.split()
-        if len(fields) != width or not fields[1].startswith("s") or not fields[1][1:].isdigit():
+        if len(fields) not in (width, width + 1) or not fields[1].startswith("s") or not fields[1][1:].isdigit():
             raise ObservedError(f"`fleet metrics`: {line[:80]!r} is not a slot's line")
         try:
             count, sum_ms = int(fields[2]), float(fields[3])
             buckets = tuple(int(x) for x in fields[4 : 5 + len(bounds)])
-            warm, cached, cached_tokens, processed = (int(x) for x in fields[5 + len(bounds) :])
+            warm, cached, cached_tokens, processed = (int(x) for x in fields[5 + len(bounds) : width])
+            answered = int(fields[width]) if len(fields) > width else None
         except ValueError:
             raise ObservedError(f"`fleet metrics`: {line[:80]!r} holds something not a number") from None
-        if sum(buckets) != count or min(count, warm, cached, cached_tokens, processed, *buckets) < 0 or cached > warm:
+        numbers = (count, warm, cached, cached_tokens, processed, answered or 0, *buckets)
+        if sum(buckets) != count or min(numbers) < 0 or cached > warm or (answered is not None and answered < count):
             raise ObservedError(f"`fleet metrics`: {line[:80]!r} does not add up")
         out.append(
             SlotObserved(
-                fields[0], int(fields[1][1:]), bounds, buckets, count, sum_ms, warm, cached, cached_tokens, processed
+                fields[0],
+                int(fields[1][1:]),
+                bounds,
+                buckets,
+                count,
+                sum_ms,
+                warm,
+                cached,
+                cached_tokens,
+                processed,
+                answered,
             )
         )
     return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from fleet.core.config import Settings
 from fleet.core.errors import BadInput, FleetError
 from fleet.core.files import write_public
+from fleet.gateway import answers
 from fleet.gateway.files import GatewayCa, GatewayFiles, prepare
 from fleet.gateway.haproxy import render
 from fleet.gateway.targets import Target
@@ -52,11 +53,8 @@ def running_pid(files: GatewayFiles) -> int | None:
 def write_configuration(files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa) -> None:
     prepare(files, settings, ca)
     for target in targets:
-        models = {
-            "object": "list",
-            "data": [{"id": target.alias, "object": "model", "created": 0, "owned_by": "fleet"}],
-        }
-        write_public(files.models(target.index), json.dumps(models).encode())
+        write_public(files.models(target.index), json.dumps(answers.models(target.alias)).encode())
+        write_public(files.model(target.index), json.dumps(answers.model(target.alias)).encode())
     write_public(files.config, render(settings, targets, files, str(ca.certificate_path)).encode())
 
 

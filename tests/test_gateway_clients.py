@@ -1,0 +1,159 @@
+"""The gateway as a voice team's clients see it (issue 36), with the OpenAI SDK itself (`openai`, in the dev lock)
+on one real host of the local cloud: /v1/models and /v1/models/{id}, streaming through, and every refusal in
+OpenAI's shape with a `code` the client can branch on (a bad key, a model not served, no host at all, a host
+failing under a request), with Retry-After where a retry can succeed; a slot's served count starts again with
+each host; and `fleet destroy --all --keep-gateway` leaves agents an answer they can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from fleet.app import Fleet
+from fleet.control import gateway
+from fleet.control.up import UpRequest
+from fleet.core.config import Serve
+from tests.fleetkit import fleet_for, settings_for
+from tests.helpers import kill_llama_server
+from tests.test_gateway import cli_env_for, free_port, served_by_host, wait_hosts_up
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway-clients")
+
+
+@pytest.fixture
+async def gw(cloud, local_cloud_env, module_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """One tiny host behind a gateway of this test's own."""
+    base = settings_for(module_dir / request.node.name[:40])
+    gateway_settings = {
+        "directory": str(module_dir / request.node.name[:40] / "gw"),
+        "port": free_port(),
+        "metrics_port": 0,
+    }
+    settings = base.model_copy(
+        update={
+            "serve": [Serve(model="tiny", region="eu")],
+            "gateway": base.gateway.model_copy(update=gateway_settings),
+        }
+    )
+    async with fleet_for(settings) as fleet:
+        try:
+            assert len((await fleet.up(UpRequest("tiny", "eu"))).ready) == 1
+            await gateway.start(fleet)
+            yield fleet
+        finally:
+            await gateway.stop(fleet)
+            await fleet.destroy(None)
+
+
+def sdk(fleet: Fleet, key: str) -> openai.AsyncOpenAI:
+    """The OpenAI SDK as an agent configures it for the gateway: its URL, its key, fleet's CA for this client
+    alone (never the process's SSL_CERT_FILE), no silent retries."""
+    port = fleet.settings.serve[0].port or fleet.settings.gateway.port
+    return openai.AsyncOpenAI(
+        base_url=f"https://localhost:{port}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=30,
+        http_client=openai.DefaultAsyncHttpx2Client(verify=fleet.tls),
+    )
+
+
+async def test_the_sdk_lists_retrieves_and_streams_and_is_refused_in_its_own_shape(gw):
+    key = await gateway.add_key(gw, "sdk")
+    await wait_hosts_up(gw, count=1)
+    client = sdk(gw, key)
+    try:
+        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        assert (await client.models.retrieve("tiny")).id == "tiny"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("gpt-4o")
+        assert missing.value.code == "model_not_found"
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            stream=True,
+            extra_headers={"X-Session-Id": "call-sdk-1"},
+        )
+        pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+        assert "".join(pieces)
+        with pytest.raises(openai.NotFoundError) as other:
+            await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+        assert other.value.code == "model_not_found" and "serves the model tiny" in str(other.value)
+        with pytest.raises(openai.AuthenticationError) as bad:
+            await sdk(gw, "fa-not-a-key").chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert bad.value.code == "invalid_api_key"
+    finally:
+        await client.close()
+
+
+async def test_no_host_and_a_host_failing_under_a_request_are_answered_in_json_with_retry_after(gw):
+    """The only host's server killed while the gateway serves it: whatever answers next, HAProxy's own error
+    (before its check marks the host down) or admission (after), it is OpenAI's shape with Retry-After, never
+    HTML; and once the host is gone, `no_host`, at once."""
+    key = await gateway.add_key(gw, "agent")
+    await wait_hosts_up(gw, count=1)
+    [host] = gw.record.hosts()
+    await kill_llama_server(host.ssh_host, host.ssh_port, gw.ssh_key.private)
+    client = sdk(gw, key)
+    seen = []
+    try:
+        for _ in range(40):
+            try:
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+                seen.append("ok")
+            except openai.APIStatusError as e:
+                body = e.response.json()
+                assert e.response.headers["content-type"] == "application/json", e.response.text[:200]
+                assert "Retry-After" in e.response.headers and set(body["error"]) >= {"message", "type", "code"}
+                seen.append(body["error"]["code"])
+                if body["error"]["code"] == "no_host":
+                    break
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    assert seen[-1] == "no_host" and set(seen) <= {"host_failed", "no_host"}, seen
+
+
+async def test_a_slots_served_count_starts_again_with_each_host_and_destroy_can_keep_the_gateway(gw, module_dir):
+    key = await gateway.add_key(gw, "counter")
+    await wait_hosts_up(gw, count=1)
+    client = sdk(gw, key)
+    hi = [{"role": "user", "content": "hi"}]
+    try:
+        for _ in range(3):
+            await client.chat.completions.create(model="tiny", messages=hi, max_tokens=2)
+        assert list((await served_by_host(gw)).values()) == [3]
+        [first] = gw.record.hosts()
+        await gw.destroy([first.name])
+        [second] = (await gw.up(UpRequest("tiny", "eu"))).ready
+        await wait_hosts_up(gw, count=1)
+        await client.chat.completions.create(model="tiny", messages=hi, max_tokens=2)
+        assert await served_by_host(gw) == {second.name: 1}  # the slot's, since this host took it
+        env = cli_env_for(gw.settings, gw.settings.database.file.parent)  # this test's record
+        kept = subprocess.run(
+            [".venv/bin/fleet", "destroy", "--all", "--yes", "--keep-gateway", "--json"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert kept.returncode == 0, kept.stderr
+        assert json.loads(kept.stdout)["gateway_stopped"] is None
+        with pytest.raises(openai.APIStatusError) as none:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert none.value.status_code == 503 and none.value.code == "no_host"
+        alone = subprocess.run(
+            [".venv/bin/fleet", "destroy", "somehost", "--keep-gateway"], env=env, capture_output=True, text=True
+        )
+        assert alone.returncode == 2 and "--keep-gateway goes with --all" in alone.stderr
+    finally:
+        await client.close()
