@@ -20,8 +20,8 @@ from fleet.core.files import write_private, write_public
 from fleet.core.gatewayrecord import add_agent_key, agent_keys, revoke_agent_key
 from fleet.core.gatewaysettings import PEER_NAME
 from fleet.core.models import Host
-from fleet.core.tls import HOSTS_DOMAIN, sign_peer
-from fleet.gateway import process
+from fleet.core.tls import HOSTS_DOMAIN, load_certificate, sign_peer
+from fleet.gateway import acme, process
 from fleet.gateway.files import CERTIFICATE_DAYS, GatewayCa, GatewayFiles, certificates, files_for
 from fleet.gateway.observed import NOTHING_OBSERVED, SlotObserved
 from fleet.gateway.runtime import Runtime
@@ -88,6 +88,8 @@ async def start(ctx: Context) -> dict[str, Any]:
     pid = await process.start(files, ctx.settings, found, _ca(ctx))
     try:
         report = await sync(ctx, files, found)
+        if ctx.settings.gateway.acme.domain:
+            await renew(ctx)  # HAProxy runs on a provisional certificate until the ACME CA gives the domain's
     except BaseException:
         if running is None:  # what this call started does not outlive its failure
             await process.stop(files)
@@ -139,6 +141,12 @@ async def renew(ctx: Context) -> list[str]:
     running HAProxy takes the new ones through its admin socket. The files renewed."""
     files = _files(ctx)
     changed = certificates(files, ctx.settings, _ca(ctx))
+    domain = ctx.settings.gateway.acme.domain
+    if domain and process.running_pid(files) is not None:
+        authority = load_certificate(_ca(ctx).certificate_path)
+        if authority is not None and acme.due(files, domain, authority.subject):
+            await acme.issue(files, ctx.settings)  # the CA checks the domain through the running HAProxy
+            changed = [*changed, files.pem] if files.pem not in changed else changed
     if changed and process.running_pid(files) is not None:
         runtime = Runtime(files.socket)
         for path in changed:

@@ -6,7 +6,7 @@ import ipaddress
 import re
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from fleet.core.profiles import Strict
 from fleet.core.tls import FLEET_DOMAIN, fleets_own, peer_tls_name
@@ -44,6 +44,42 @@ class Overflow(Strict):
         return v.rstrip("/")
 
 
+class Acme(Strict):
+    """The agents' door's certificate from an ACME CA, for `domain`: one every client already trusts (Let's Encrypt
+    by default), obtained over HTTP-01 (the CA reaches this gateway at `http_port`; HAProxy hands the challenge to
+    certbot), renewed in place 30 days before its end."""
+
+    domain: str = ""  # empty: no ACME (the team's own certificate, or one fleet's CA signs)
+    directory: str = "https://acme-v02.api.letsencrypt.org/directory"
+    email: str = ""  # the ACME account's contact (empty: none)
+    ca_file: str = ""  # a private ACME server's own CA, to reach it over TLS (a test's Pebble)
+    http_port: Annotated[int, Field(ge=1, le=65535)] = 80
+    certbot_port: Annotated[int, Field(ge=1, le=65535)] = 8402  # certbot's own server on loopback, while it asks
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, v: str) -> str:
+        if v and (not re.fullmatch(DNS_NAME, v) or "." not in v):
+            raise ValueError(f"{v[:80]!r}: a DNS name (ACME certifies names, not addresses)")
+        if v and fleets_own(v):
+            raise ValueError(f"{v!r}: {FLEET_DOMAIN} names are fleet's hosts' and peers' alone")
+        return v.lower()
+
+    @field_validator("directory")
+    @classmethod
+    def _directory(cls, v: str) -> str:
+        if not re.fullmatch(r"https://[A-Za-z0-9.:\[\]-]+(/[A-Za-z0-9._~/-]*)?", v):
+            raise ValueError(f"{v[:100]!r}: an ACME directory's https:// URL")
+        return v
+
+    @field_validator("email")
+    @classmethod
+    def _email(cls, v: str) -> str:
+        if v and not re.fullmatch(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}", v):
+            raise ValueError(f"{v[:80]!r}: an email address")
+        return v
+
+
 class Gateway(Strict):
     directory: str = ""  # its configuration, socket and certificate (default: gateway/ in fleet's state directory)
     listen: str = "127.0.0.1"  # the address the agents' endpoints bind (0.0.0.0: every interface)
@@ -74,6 +110,13 @@ class Gateway(Strict):
     peer_certificate_file: str = ""
     peer_key_file: str = ""
     overflow: Overflow = Overflow()
+    acme: Acme = Acme()
+
+    @model_validator(mode="after")
+    def _one_certificate(self) -> Gateway:
+        if self.acme.domain and (self.certificate_file or self.key_file):
+            raise ValueError("gateway.acme.domain and gateway.certificate_file: one source of the agents' certificate")
+        return self
 
     @field_validator("listen")
     @classmethod

@@ -187,13 +187,21 @@ def endpoint_names(settings: Settings) -> list[str]:
 def _certificate(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
     given = _given(settings, "certificate_file", "key_file")
     if given is not None:
-        _write_pem(files.pem, *given)
+        write_pem(files.pem, *given)
         return
     names = endpoint_names(settings)
+    domain = settings.gateway.acme.domain
+    if domain:
+        # the ACME CA's certificate, once it gave one, stays (acme.py renews it); until then, a provisional one
+        served = load_certificate(files.pem)
+        authority = load_certificate(ca.certificate_path)
+        if served is not None and authority is not None and served.issuer != authority.subject:
+            return
+        names = [domain, *names]
     if _still_good(files.pem, names, ca):
         return
     key, certificate = sign_server(ca.signer(), names, CERTIFICATE_DAYS)
-    _write_pem(files.pem, certificate, key)
+    write_pem(files.pem, certificate, key)
 
 
 def _peer_certificate(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
@@ -201,13 +209,13 @@ def _peer_certificate(files: GatewayFiles, settings: Settings, ca: GatewayCa) ->
     fleet's own domain, for serving and for connecting; no host's certificate holds such a name or may connect."""
     given = _given(settings, "peer_certificate_file", "peer_key_file")
     if given is not None:
-        _write_pem(files.peer_pem, *given)
+        write_pem(files.peer_pem, *given)
         return
     name = peer_tls_name(settings.gateway.peer_name)
     if _still_good(files.peer_pem, [name], ca):
         return
     key, certificate = sign_peer(ca.signer(), settings.gateway.peer_name, CERTIFICATE_DAYS)
-    _write_pem(files.peer_pem, certificate, key)
+    write_pem(files.peer_pem, certificate, key)
 
 
 def _given(settings: Settings, certificate_key: str, key_key: str) -> tuple[bytes, bytes] | None:
@@ -226,7 +234,7 @@ def _given(settings: Settings, certificate_key: str, key_key: str) -> tuple[byte
         raise ConfigError(f"{settings.source}: gateway.{certificate_key}: {e.filename}: {e.strerror}") from None
 
 
-def _write_pem(path: Path, chain: bytes, key: bytes) -> None:
+def write_pem(path: Path, chain: bytes, key: bytes) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:

@@ -92,6 +92,8 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         f"  stick-table type string len 64 size 100k expire 24d store gpc0{' peers fleet' if g.peers else ''}",
         "",
     ]
+    if g.acme.domain:
+        lines += _acme(settings)
     for target in targets:
         lines += _frontend(settings, target, files)
         lines += _backend(settings, target, files, ca_file)
@@ -224,6 +226,23 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
             "",
         ]
     return lines
+
+
+def _acme(settings: Settings) -> list[str]:
+    """Where the ACME CA checks that this gateway answers for the domain (HTTP-01): the challenge goes to
+    certbot's own server on loopback while it asks (acme.py); anything else is refused here."""
+    g = settings.gateway
+    return [
+        "frontend acme_http",
+        f"  bind {g.listen}:{g.acme.http_port}",
+        f"  http-request return {answers.NOT_FOUND.rule(g.retry_after_s)}"
+        " unless { path_beg /.well-known/acme-challenge/ }",
+        "  default_backend acme_certbot",
+        "",
+        "backend acme_certbot",
+        f"  server certbot 127.0.0.1:{g.acme.certbot_port}",
+        "",
+    ]
 
 
 def _overflow(settings: Settings, target: Target) -> list[str]:

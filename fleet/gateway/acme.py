@@ -1,0 +1,86 @@
+"""The agents' door's certificate from an ACME CA (`[gateway.acme]`): one every client already trusts, so no
+agent is taught fleet's CA. certbot (Debian's) asks for it over HTTP-01: the CA reaches this gateway's
+`acme.http_port`, where HAProxy hands `/.well-known/acme-challenge/` to certbot's own server on loopback, which
+runs only while it asks. HAProxy starts on a provisional certificate fleet's CA signs for the domain; the ACME
+one replaces it in place (HAProxy's admin socket: no restart, no call dropped), and again 30 days before it
+ends."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import shutil
+from pathlib import Path
+
+from cryptography import x509
+
+from fleet.core.config import Settings
+from fleet.core.errors import FleetError
+from fleet.core.tls import load_certificate
+from fleet.gateway.files import RENEW_WITHIN, GatewayFiles, write_pem
+
+CERT_NAME = "fleet-gateway"
+ISSUE_TIMEOUT_S = 300.0
+
+
+class AcmeError(FleetError):
+    """The ACME CA gave no certificate (certbot's own words say why)."""
+
+    prefix = "ACME"
+
+
+def folder(files: GatewayFiles) -> Path:
+    return files.directory / "acme"  # certbot's account, its work and its logs (private: the account key)
+
+
+def due(files: GatewayFiles, domain: str, provisional_issuer: x509.Name) -> bool:
+    """Whether the agents' door needs a certificate from the ACME CA now: it serves the provisional one (signed by
+    fleet's CA), one for another name, or one that ends within 30 days."""
+    served = load_certificate(files.pem)
+    if served is None or served.issuer == provisional_issuer:
+        return True
+    try:
+        names = served.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return True
+    if domain not in names.get_values_for_type(x509.DNSName):
+        return True
+    return served.not_valid_after_utc - dt.datetime.now(dt.UTC) < RENEW_WITHIN
+
+
+async def issue(files: GatewayFiles, settings: Settings) -> None:
+    """Ask the ACME CA for the domain's certificate with certbot and put it where HAProxy reads it (the caller
+    hands it to the running HAProxy). AcmeError with certbot's last words when the CA gives none."""
+    acme = settings.gateway.acme
+    certbot = shutil.which("certbot") or shutil.which("certbot", path="/usr/bin")
+    if certbot is None:
+        raise AcmeError("certbot is not installed (Debian's certbot package: scripts/setup installs it)")
+    home = folder(files)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    home.chmod(0o700)
+    argv = [
+        certbot, "certonly", "--non-interactive", "--agree-tos", "--standalone", "--preferred-challenges", "http",
+        "--http-01-address", "127.0.0.1", "--http-01-port", str(acme.certbot_port), "--server", acme.directory,
+        "--config-dir", str(home / "config"), "--work-dir", str(home / "work"), "--logs-dir", str(home / "logs"),
+        "--cert-name", CERT_NAME, "--key-type", "ecdsa", "--force-renewal", "-d", acme.domain,
+        *(["--email", acme.email] if acme.email else ["--register-unsafely-without-email"]),
+    ]  # fmt: skip
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
+    if acme.ca_file:
+        env["REQUESTS_CA_BUNDLE"] = os.path.expanduser(acme.ca_file)
+    process = await asyncio.create_subprocess_exec(
+        *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), ISSUE_TIMEOUT_S)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AcmeError(f"certbot gave no answer in {ISSUE_TIMEOUT_S:g}s (its log: {home / 'logs'})") from None
+    live = home / "config" / "live" / CERT_NAME
+    if process.returncode != 0 or not (live / "fullchain.pem").exists():
+        said = [line.strip() for line in output.decode(errors="replace").splitlines() if line.strip()]
+        raise AcmeError(f"no certificate for {acme.domain}: {' '.join(said[-3:])[:400]} (its log: {home / 'logs'})")
+    write_pem(files.pem, (live / "fullchain.pem").read_bytes(), (live / "privkey.pem").read_bytes())
