@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.services.openai.llm import OpenAILLMService
 
 from fleet.app import Fleet
 from fleet.control import gateway
 from fleet.control.up import UpRequest
 from fleet.core.config import Serve
+from fleet.gateway.files import files_for
 from tests.fleetkit import fleet_for, settings_for
 from tests.helpers import kill_llama_server
 from tests.test_gateway import cli_env_for, free_port, served_by_host, wait_hosts_up
@@ -157,3 +162,55 @@ async def test_a_slots_served_count_starts_again_with_each_host_and_destroy_can_
         assert alone.returncode == 2 and "--keep-gateway goes with --all" in alone.stderr
     finally:
         await client.close()
+
+
+class GatewayLLM(OpenAILLMService):
+    """pipecat's OpenAI service as docs/gateway.md has a team write it for a gateway whose certificate is fleet's
+    CA's: that CA for this client alone (pipecat's own client takes no `verify`), and no silent retries, so that a
+    bot's failover runs at once."""
+
+    def __init__(self, *, verify: ssl.SSLContext, **kwargs: Any) -> None:
+        self._verify = verify
+        super().__init__(**kwargs)
+
+    def create_client(
+        self, api_key=None, base_url=None, organization=None, project=None, default_headers=None, **kwargs
+    ):
+        return openai.AsyncOpenAI(
+            api_key=api_key, base_url=base_url, default_headers=default_headers, max_retries=0, timeout=10,
+            http_client=openai.DefaultAsyncHttpxClient(verify=self._verify),
+        )  # fmt: skip
+
+
+def logged(fleet: Fleet, agent: str) -> list[dict[str, str]]:
+    lines = files_for(fleet.settings).access_log.read_text().splitlines()
+    return [f for f in (dict(w.split("=", 1) for w in line.split()) for line in lines) if f.get("agent") == agent]
+
+
+async def test_pipecat_talks_through_the_gateway_keeps_its_call_on_its_host_and_fails_over_at_once(gw):
+    key = await gateway.add_key(gw, "pipecat")
+    await wait_hosts_up(gw, count=1)
+    port = gw.settings.serve[0].port or gw.settings.gateway.port
+    llm = GatewayLLM(
+        verify=gw.tls,
+        api_key=key,
+        base_url=f"https://localhost:{port}/v1",
+        settings=OpenAILLMService.Settings(model="tiny", max_tokens=8, extra={"user": "call-pipecat-1"}),
+    )
+    context = LLMContext(messages=[{"role": "user", "content": "Hello"}])
+    first = await llm.run_inference(context, system_instruction="You are a receptionist.")
+    context.add_message({"role": "assistant", "content": first or ""})
+    context.add_message({"role": "user", "content": "And on Friday?"})
+    assert first and await llm.run_inference(context, system_instruction="You are a receptionist.")
+    turns = logged(gw, "pipecat")
+    assert [t["admit"] for t in turns] == ["new", "turn"] and turns[0]["call"] == turns[1]["call"]  # one call
+    # the host goes: the bot's next turn fails at once (503, no_host), one request, no silent retry
+    await gw.destroy([h.name for h in gw.record.open_hosts()])  # the gateway stays
+    with pytest.raises(openai.APIStatusError) as failed:
+        await llm.run_inference(context, system_instruction="You are a receptionist.")
+    assert failed.value.status_code == 503 and failed.value.code == "no_host"
+    for _ in range(100):  # HAProxy writes a request's line once its answer has gone
+        if len(logged(gw, "pipecat")) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert [t["status"] for t in logged(gw, "pipecat")] == ["200", "200", "503"]
