@@ -338,3 +338,18 @@ async def test_the_local_cloud_holds_creates_to_vast_ais_input_limits_and_bills_
         finally:
             cloud.set_faults({})
             await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/")
+
+
+async def test_destroying_an_instance_under_an_open_connection_logs_no_traceback(cloud, tmp_path):
+    """A forwarder that stops under a live connection ends it quietly: the local cloud logged a CancelledError
+    traceback for every destroyed instance that had one (issue 38)."""
+    log = cloud.info.state_dir / "server.log"
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        before = log.read_text(errors="replace")
+        async with fleet.server(host).client(timeout=30) as client:
+            assert (await client.get("/health")).status_code == 200  # a kept connection through the forwarder
+            await fleet.destroy([host.name])
+    after = log.read_text(errors="replace")[len(before) :]
+    assert "destroy" in after.lower() or "instance" in after.lower()  # the cloud did log the destroy
+    assert "Traceback" not in after and "CancelledError" not in after, after[-2000:]

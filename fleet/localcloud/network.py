@@ -97,6 +97,10 @@ class Forwarder:
                 await asyncio.gather(_pipe(reader, up_writer, down), _pipe(up_reader, writer, up))
             finally:
                 up_writer.close()
+        except asyncio.CancelledError:
+            # the mapping stops (its instance destroyed or stopped): the connection ends here, quietly (a handler
+            # task that ends cancelled makes asyncio log a traceback for each)
+            pass
         finally:
             writer.close()
             self._pipes.discard(task)
