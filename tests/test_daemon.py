@@ -8,9 +8,12 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 
 import httpx
 
+from fleet.control.daemon import cron_tick
+from fleet.core.record import Record, open_database
 from fleet.localcloud.network import free_port
 from tests.fleetkit import without_shipped_serve, write_config
 from tests.helpers import kill_llama_server
@@ -222,3 +225,20 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
     with sqlite3.connect(db_path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert fleet(env, "destroy", "--all", "--yes").returncode == 0
+
+
+def test_reprice_claims_each_firing_of_its_cron_and_a_late_run_of_one_firing_is_skipped(tmp_path):
+    """A reprice cron every 2 minutes fires 30 times an hour: each firing is its own tick (it used to be claimed
+    once an hour whatever the cron said, the other 29 skipped as "a late run of the same tick")."""
+    record = Record(open_database(tmp_path / "fleet.db"))
+    now = datetime(2026, 12, 5, 4, 7, 30, tzinfo=UTC)
+    firing = cron_tick("*/2 * * * *", now)
+    assert firing == int(datetime(2026, 12, 5, 4, 6, tzinfo=UTC).timestamp())
+    late = cron_tick("*/2 * * * *", now + timedelta(seconds=25))  # the same firing, run late
+    following = cron_tick("*/2 * * * *", now + timedelta(minutes=1))
+    assert late == firing and following == firing + 120
+    assert record.claim_tick("reprice", firing, "daemon-a") is None
+    assert record.claim_tick("reprice", late, "daemon-b") == "daemon-a"  # skipped: it ran there
+    assert record.claim_tick("reprice", following, "daemon-b") is None  # the next firing runs
+    nightly = cron_tick("0 3 * * *", now)
+    assert nightly == int(datetime(2026, 12, 5, 3, 0, tzinfo=UTC).timestamp())

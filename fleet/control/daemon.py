@@ -21,6 +21,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -96,18 +97,32 @@ class LogReporter:
 
 
 def _tick(period_s: float) -> int:
+    """An interval job's tick: the period it runs in."""
     return int(time.time() // period_s)
 
 
+def cron_tick(cron: str, now: datetime | None = None) -> int:
+    """A cron job's tick: the time (epoch seconds) of its latest firing at or before `now`, so that each firing
+    is claimed once whatever the schedule (every 2 minutes, or once a night)."""
+    trigger = CronTrigger.from_crontab(cron, timezone="UTC")
+    now = now or datetime.now(UTC)
+    fire = trigger.get_next_fire_time(None, now - timedelta(days=31))  # every cron fires within a month
+    latest = fire
+    while fire is not None and fire <= now:
+        latest = fire
+        fire = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
+    return int(latest.timestamp()) if latest is not None and latest <= now else 0
+
+
 async def _run(
-    job: str, config_path: str, period_s: Callable[[config.Rotation], float], work: Callable[[Context], Awaitable[None]]
+    job: str, config_path: str, tick: Callable[[config.Rotation], int], work: Callable[[Context], Awaitable[None]]
 ) -> None:
     """One job's tick. Several daemons may share a PostgreSQL database: the first to claim the tick
     runs it; the others skip it."""
     settings = config.load(config_path)
     async with open_context(settings, LogReporter()) as ctx:
         gateway.hang(ctx)
-        holder = ctx.record.claim_tick(job, _tick(period_s(settings.rotation)), DAEMON_ID)
+        holder = ctx.record.claim_tick(job, tick(settings.rotation), DAEMON_ID)
         if holder is not None:
             where = "here (a late run of the same tick)" if holder == DAEMON_ID else f"on daemon {holder}"
             log.info("%s: this tick already ran %s; skipped", job, where)
@@ -145,7 +160,7 @@ async def run_health(config_path: str) -> None:
             "".join(f"; {r.name}: {r.reason}{_replaced(r)}" for r in failing),
         )
 
-    await _run("health", config_path, lambda r: r.health_every_s, work)
+    await _run("health", config_path, lambda r: _tick(r.health_every_s), work)
 
 
 async def run_reconcile(config_path: str) -> None:
@@ -161,7 +176,7 @@ async def run_reconcile(config_path: str) -> None:
         credit = await check_credit(ctx)  # vast.ai stops every instance at zero: say so ahead of time
         (log.warning if credit.warn else log.info)("%s", credit.line())
 
-    await _run("reconcile", config_path, lambda r: r.reconcile_every_s, work)
+    await _run("reconcile", config_path, lambda r: _tick(r.reconcile_every_s), work)
 
 
 async def run_thermal(config_path: str) -> None:
@@ -169,7 +184,7 @@ async def run_thermal(config_path: str) -> None:
         for r in await rotation.thermal_sweep(ctx):
             log.info("thermal: %s %s%s", r.name, "ok" if r.healthy else f"FAIL: {r.reason}", _replaced(r))
 
-    await _run("thermal", config_path, lambda r: r.thermal_every_s, work)
+    await _run("thermal", config_path, lambda r: _tick(r.thermal_every_s), work)
 
 
 async def run_reprice(config_path: str) -> None:
@@ -177,7 +192,7 @@ async def run_reprice(config_path: str) -> None:
         for m in await rotation.reprice(ctx, dry_run=False):
             log.info("reprice: %s %s (%s)", m.name, f"moved to {m.new_host}" if m.new_host else "stays", m.why)
 
-    await _run("reprice", config_path, lambda r: 3600, work)  # a cron job: one run per hour at most
+    await _run("reprice", config_path, lambda r: cron_tick(r.reprice_cron), work)  # each firing of its cron once
 
 
 async def run_serve(config_path: str) -> None:
@@ -186,7 +201,7 @@ async def run_serve(config_path: str) -> None:
             sizing = await sizing_mod.keep(ctx, target)
             log.info("serve: %s; did %s", sizing.line(), json.dumps(sizing.done) if sizing.done else "nothing")
 
-    await _run("serve", config_path, lambda r: r.health_every_s, work)
+    await _run("serve", config_path, lambda r: _tick(r.health_every_s), work)
 
 
 class FleetCollector(Collector):
