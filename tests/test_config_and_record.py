@@ -2,6 +2,8 @@
 
 import asyncio
 import re
+import sqlite3
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ from sqlmodel import SQLModel
 
 from fleet.core import config
 from fleet.core import record as db
+from fleet.core.models import Event, JobRun, OfferSeen, utcnow
+from fleet.core.retention import prune
 from fleet.engines.llama_server import cache_args, server_argv
 from fleet.probes import template as chat_template
+from tests.test_machines import host as machine_host
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,3 +252,33 @@ def test_opening_the_database_again_keeps_the_locks_this_process_holds_on_it(tmp
     assert db.open_database(path) is engine  # one engine per database in a process
     db.make_engine(path).dispose()  # even a second engine of its own never touches the file
     assert locks() == held
+
+
+def test_housekeeping_rows_are_pruned_after_the_retention_and_host_history_stays(tmp_path):
+    """What a day of a daemon writes (a tick per job run, a credit event per reconcile, every offer each search
+    saw) is deleted once older than the retention, in batches; hosts, their events and every newer row stay."""
+    record = db.Record(db.open_database(tmp_path / "fleet.db"))
+    now = utcnow()
+    old, new = now - timedelta(days=40), now - timedelta(days=1)
+    host = record.add(machine_host(1, 1, name="kept-host"))
+    offer = dict(provider_url="local", machine_id=1, gpu_name="RTX 3090", num_gpus=1, geolocation="Sweden, SE",
+                 dph_total=0.2, inet_up_usd_per_gb=0.0, inet_down_usd_per_gb=0.0, reliability=0.99)  # fmt: skip
+    record.add_all(
+        [JobRun(job="health", tick=i, daemon="d", started_at=old) for i in range(25)]
+        + [JobRun(job="health", tick=1000 + i, daemon="d", started_at=new) for i in range(3)]
+        + [Event(kind="info", action="credit", at=old) for _ in range(30)]
+        + [Event(kind="info", action="credit", at=new)]
+        + [Event(kind="intent", action="create", at=old, host_id=host.id)]
+        + [OfferSeen(offer_id=i, seen_at=old, **offer) for i in range(40)]
+        + [OfferSeen(offer_id=999, seen_at=new, **offer)]
+    )
+    pruned = prune(record, now - timedelta(days=28), batch=7)  # several batches each
+    assert pruned.rows == {"job_runs": 25, "events": 30, "offers_seen": 40}
+    with sqlite3.connect(tmp_path / "fleet.db") as plain:
+        tables = ("job_runs", "events", "offers_seen")
+        counts = {t: plain.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
+        kept_event = plain.execute("SELECT action FROM events WHERE host_id IS NOT NULL").fetchall()
+        hosts = plain.execute("SELECT name FROM hosts").fetchall()
+    assert counts == {"job_runs": 3, "events": 2, "offers_seen": 1}
+    assert kept_event == [("create",)] and hosts == [("kept-host",)]  # a host's history stays
+    assert prune(record, now - timedelta(days=28)).total() == 0

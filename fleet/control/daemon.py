@@ -39,10 +39,10 @@ from fleet.control import gateway, rotation
 from fleet.control import sizing as sizing_mod
 from fleet.control.account import check_credit
 from fleet.control.reconcile import reconcile
-from fleet.core import config
+from fleet.core import config, retention
 from fleet.core import record as db
 from fleet.core.errors import FleetError
-from fleet.core.models import LIVE_STATES, Event, HostState, ProbeRun
+from fleet.core.models import LIVE_STATES, Event, HostState, ProbeRun, utcnow
 from fleet.economics.bill import accrued_usd
 
 log = logging.getLogger("fleet.daemon")
@@ -94,6 +94,9 @@ class LogReporter:
     def progress(self, host: str, what: str, done: int, total: int) -> None:
         if done >= total:
             log.info("%s: pulled %s (%d bytes)", host, what, total)
+
+
+PRUNE_EVERY_S = 6 * 3600
 
 
 def _tick(period_s: float) -> int:
@@ -161,6 +164,19 @@ async def run_health(config_path: str) -> None:
         )
 
     await _run("health", config_path, lambda r: _tick(r.health_every_s), work)
+
+
+async def run_prune(config_path: str) -> None:
+    """What housekeeping wrote, past rotation.retention_days, deleted in small batches (fleet/core/retention.py)."""
+
+    async def work(ctx: Context) -> None:
+        days = ctx.settings.rotation.retention_days
+        if days <= 0:
+            return
+        pruned = await asyncio.to_thread(retention.prune, ctx.record, utcnow() - timedelta(days=days))
+        log.info("prune: %d rows older than %g days (%s)", pruned.total(), days, pruned.rows)
+
+    await _run("prune", config_path, lambda r: _tick(PRUNE_EVERY_S), work)
 
 
 async def run_reconcile(config_path: str) -> None:
@@ -320,6 +336,8 @@ def build_scheduler(settings: config.Settings, config_path: str) -> AsyncIOSched
         ("reconcile", "fleet.control.daemon:run_reconcile", IntervalTrigger(seconds=rot.reconcile_every_s)),
         ("reprice", "fleet.control.daemon:run_reprice", CronTrigger.from_crontab(rot.reprice_cron, timezone="UTC")),
     ]
+    if rot.retention_days:
+        jobs.append(("prune", "fleet.control.daemon:run_prune", IntervalTrigger(seconds=PRUNE_EVERY_S)))
     if rot.thermal_every_s:
         jobs.append(("thermal", "fleet.control.daemon:run_thermal", IntervalTrigger(seconds=rot.thermal_every_s)))
     if settings.serve:  # READY capacity sized to calls and the standby pool, on the health sweep's beat

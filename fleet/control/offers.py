@@ -65,9 +65,8 @@ async def search(
     query = offer_rules.query_for(wanted, profile, pool_only=explain)
     async with ctx.waits.on("market"):
         found = await ctx.market.search(query)
-    if record_seen:
-        for o in found:
-            ctx.record.add(seen(ctx.market.url, o))
+    if record_seen:  # one transaction for the whole answer (up to a thousand offers), not one an offer
+        ctx.record.add_all([seen(ctx.market.url, o) for o in found])
     result = offer_rules.funnel(found, wanted, profile, query)
     # a machine its host will take down for maintenance before a host there has served its time: not rented
     async with ctx.waits.on("market"):

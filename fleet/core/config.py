@@ -129,6 +129,9 @@ class Rotation(Strict):
     contract_margin_hours: Annotated[float, Field(ge=0)] = 6
     # the daemon warns when the account's credit lasts fewer hours than this at the current spend
     credit_warn_hours: Annotated[float, Field(ge=0)] = 48
+    # what housekeeping wrote (the daemon's ticks, events no host owns, the offers each search saw) is kept this
+    # many days, then pruned by the daemon (0: kept for good); hosts, their events and their bills stay
+    retention_days: Annotated[float, Field(ge=0)] = 28
 
     @property
     def endpoints_path(self) -> Path:

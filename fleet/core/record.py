@@ -158,6 +158,12 @@ class Record:
             s.refresh(row)
             return row
 
+    def add_all(self, rows: list[SQLModel]) -> None:
+        """Many rows in one transaction."""
+        with session(self.engine) as s:
+            s.add_all(rows)
+            s.commit()
+
     def update(self, row: SQLModel, **changes: object) -> SQLModel:
         """Write only `changes` to the row's record (UPDATE ... SET those columns WHERE id = ?), and mirror
         them on `row`. The rest of `row` may be minutes old: it is never written back over newer values."""
