@@ -23,6 +23,7 @@ import fleet.host.teardown
 from fleet.context import Context, Reporter, open_context
 from fleet.control.destroy import DestroyReport
 from fleet.control.up import UpRequest, UpResult
+from fleet.core import installrecord
 from fleet.core.config import Profile
 from fleet.core.models import Host
 from fleet.economics import offers as offer_rules
@@ -82,6 +83,9 @@ class Fleet(Context):
 
     def endpoints(self) -> list[dict[str, Any]]:
         return fleet.host.endpoints.endpoints(self)
+
+    def pause_serving(self, paused: bool) -> datetime | None:
+        return installrecord.pause_serving(self.record, paused)
 
     async def destroy(self, names: list[str] | None, keep_gateway: bool = False) -> DestroyReport:
         return await fleet.control.destroy.destroy(self, names, keep_gateway)

@@ -1,6 +1,7 @@
 """Sized to calls (issue 13): the pure decision on recorded states, and `fleet serve` keeping a target on the
 strict local cloud (up from the pool first, the surplus drained, the pool refilled)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -100,3 +101,32 @@ def test_a_serve_target_for_an_unknown_profile_is_refused_naming_the_key(tmp_pat
         timeout=60,
     )
     assert cli.returncode == 2 and "serve.0.model: no model profile 'nope'" in cli.stderr, cli.stderr
+
+
+def test_destroy_all_pauses_the_serve_targets_and_nothing_is_rented_until_resumed(tmp_path):
+    """A daemon keeps a target of calls: `fleet destroy --all` alone would see it rent again at its next beat.
+    destroy --all pauses the targets and says so; `fleet serve` then does nothing (what a daemon's beat runs),
+    `fleet serve --resume` keeps them again; bad combinations are one-line errors."""
+    config = write_config(tmp_path, '\n[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 2\n')
+    env = {**os.environ, "FLEET_CONFIG": str(config)}
+
+    def fleet(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "fleet", *args], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    destroyed = fleet("destroy", "--all", "--yes")
+    assert destroyed.returncode == 0, destroyed.stderr
+    assert "the serve targets are paused" in destroyed.stdout and "fleet serve --resume" in destroyed.stdout
+    kept = fleet("serve", "--json")
+    assert kept.returncode == 0, kept.stderr
+    [target] = json.loads(kept.stdout)
+    assert target["paused_since"] and target["done"] == {"paused_since": target["paused_since"]}  # nothing rented
+    assert "PAUSED since" in fleet("status").stdout
+    resumed = fleet("serve", "--resume", "--json")
+    assert resumed.returncode == 0 and json.loads(resumed.stdout) == {"paused_since": None}
+    planned = fleet("serve", "--dry-run", "--json")
+    [again] = json.loads(planned.stdout)
+    assert again["paused_since"] is None and again["up"] > 0  # kept again: it would rent
+    both = fleet("serve", "--pause", "--resume")
+    assert both.returncode == 2 and "one at a time" in both.stderr

@@ -149,15 +149,32 @@ def status_cmd(
 
 def serve_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be done; do nothing.")] = False,
+    pause: Annotated[bool, typer.Option("--pause", help="Pause every target: no daemon rents for them.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the targets again.")] = False,
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
     """Keep each [[serve]] target of fleet.toml once (what `fleet daemon` does on every health sweep): READY
     capacity for its calls with headroom, more hosts taken from the standby pool first, the surplus drained
-    and destroyed, the pool refilled."""
+    and destroyed, the pool refilled. --pause stops that everywhere (`fleet destroy --all` pauses too) until
+    --resume."""
     settings = load_settings(config_path)
     if not settings.serve:
         fail(f"{settings.source}: no serve target (`serve` tables: model, region, calls, headroom, standby)", 2)
+    if pause + resume + dry_run > 1:
+        fail("--pause, --resume and --dry-run: one at a time", 2)
+    if pause or resume:
+
+        async def switch() -> Any:
+            async with open_fleet(settings, reporter(json_output)) as fleet:
+                return fleet.pause_serving(pause)
+
+        since = run_async(switch)
+        if json_output:
+            render.print_json({"paused_since": since.isoformat() if since else None})
+        else:
+            render.line(f"serve targets paused since {since:%Y-%m-%d %H:%M:%S} UTC" if since else "serve targets kept")
+        return
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:
@@ -239,7 +256,14 @@ def destroy_cmd(
             {"name": h.name, "instance_id": h.instance_id, "state": h.state, "left_to": h.owner, "until": h.lease_until}
             for h in report.busy
         ]
-        render.print_json({"hosts": rows, "bill": session.as_dict(), "gateway_stopped": report.gateway_stopped})
+        render.print_json(
+            {
+                "hosts": rows,
+                "bill": session.as_dict(),
+                "gateway_stopped": report.gateway_stopped,
+                "serve_paused": report.serve_paused,
+            }
+        )
     else:
         render.destroyed(report, session)
     if report.busy:

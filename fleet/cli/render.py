@@ -238,6 +238,10 @@ def destroyed(report: Any, session: Any) -> None:
         )
     if not report.done and not report.busy:
         line("nothing to destroy")
+    if report.serve_paused:
+        line(
+            "the serve targets are paused (a daemon would rent their hosts again): `fleet serve --resume` resumes them"
+        )
     if report.gateway_stopped:
         line(
             f"the gateway stopped (HAProxy pid {report.gateway_stopped}): its agents' connections are refused until"

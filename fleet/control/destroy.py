@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fleet.context import Context
 from fleet.control import gateway
+from fleet.core.installrecord import pause_serving
 from fleet.core.models import Host
 from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_host
@@ -19,6 +20,7 @@ class DestroyReport:
     done: list[Host] = field(default_factory=list)
     busy: list[Host] = field(default_factory=list)  # owned by another live process: left alone
     gateway_stopped: int | None = None  # the PID of the gateway's HAProxy `--all` stopped
+    serve_paused: bool = False  # `--all` paused the [[serve]] targets: no daemon rents their hosts again
 
 
 async def destroy(ctx: Context, names: list[str] | None, keep_gateway: bool = False) -> DestroyReport:
@@ -33,6 +35,9 @@ async def destroy(ctx: Context, names: list[str] | None, keep_gateway: bool = Fa
         if unknown:
             raise KeyError(f"no such host: {', '.join(map(repr, unknown))}")
     report = DestroyReport()
+    if names is None and any(t.calls or t.standby for t in ctx.settings.serve):
+        # a daemon would otherwise rent the targets' hosts again at its next beat
+        report.serve_paused = pause_serving(ctx.record, True) is not None
     for host in targets:
         (report.done if await destroy_host(ctx, host) else report.busy).append(host)
     await publish(ctx)

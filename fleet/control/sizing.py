@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fleet.context import Context
 from fleet.control import rotation
 from fleet.control.up import UpRequest, up
 from fleet.core.config import Serve
+from fleet.core.installrecord import serve_paused
 from fleet.core.models import COMING_UP, POOL, Host, HostState
 from fleet.economics.capacity import calls_held
 
@@ -38,6 +39,7 @@ class Sizing:
     drain: tuple[str, ...]  # READY hosts to retire now: the dearest per caller first
     refill: int  # hosts to add to the pool
     done: dict[str, Any] = field(default_factory=dict)  # what `keep` did
+    paused_since: str | None = None  # the targets are paused (`fleet serve --resume` keeps them again)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "drain": list(self.drain)}
@@ -46,9 +48,10 @@ class Sizing:
         target = (
             f"target {self.target_callers} callers ({self.calls} calls + headroom)" if self.calls else "no call target"
         )
+        paused = f" (PAUSED since {self.paused_since[:19]}: `fleet serve --resume`)" if self.paused_since else ""
         return (
             f"{self.model} in {self.region}: {target}, READY capacity {self.capacity}, in flight {self.in_flight}, "
-            f"standby pool {self.pool}/{self.pool_target}"
+            f"standby pool {self.pool}/{self.pool_target}{paused}"
         )
 
 
@@ -96,12 +99,17 @@ def observe(ctx: Context, target: Serve) -> Sizing:
     callers = [(h, calls_held(benches.get(h.id) if h.id is not None else None, h.slots)) for h in ready]
     in_flight = sum(1 for h in hosts if h.state in COMING_UP)
     pool = sum(1 for h in hosts if h.state in POOL)
-    return decide(target, callers, in_flight, pool, ctx.settings.profile(target.model).slots)
+    sizing = decide(target, callers, in_flight, pool, ctx.settings.profile(target.model).slots)
+    paused = serve_paused(ctx.record)
+    return replace(sizing, paused_since=paused.isoformat()) if paused is not None else sizing
 
 
 async def keep(ctx: Context, target: Serve) -> Sizing:
-    """Act on `observe`: bring up (pool first), retire the surplus, refill the pool."""
+    """Act on `observe`: bring up (pool first), retire the surplus, refill the pool; nothing while the targets
+    are paused (`fleet destroy --all`, `fleet serve --pause`)."""
     sizing = observe(ctx, target)
+    if sizing.paused_since is not None:
+        return replace(sizing, done={"paused_since": sizing.paused_since})
     done: dict[str, Any] = {}
     if sizing.up:
         result = await up(ctx, UpRequest(target.model, target.region, count=sizing.up))

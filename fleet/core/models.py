@@ -291,6 +291,9 @@ class Install(SQLModel, table=True):
     # the SHA-256 of the CA certificate its hosts were signed by (migration 0015): set by the first process to
     # use a CA, after which no machine without that CA makes one of its own
     ca_sha256: str | None = None
+    # since when the [[serve]] targets are paused (`fleet destroy --all`, `fleet serve --pause`): no daemon rents
+    # or pools a host for them until `fleet serve --resume` (migration 0018)
+    serve_paused_at: datetime | None = None
 
 
 class MarketPace(SQLModel, table=True):
