@@ -10,7 +10,7 @@ from datetime import timedelta
 import httpx
 import pytest
 
-from fleet.control import rotation
+from fleet.control import rotation, thermal
 from fleet.control.up import UpRequest
 from fleet.core.models import Host, HostState, utcnow
 from tests.fleetkit import fleet_for, settings_for
@@ -259,7 +259,7 @@ async def test_a_host_failing_its_thermal_reprobe_is_replaced_and_blacklisted(cl
         hot = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         machine = hot.machine_id
         sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, hot))  # once the cold sample is in
-        [report] = await rotation.thermal_sweep(fleet)
+        [report] = await thermal.thermal_sweep(fleet)
         sag_was_set(sagging)
         assert not report.healthy and "decode share fell" in report.reason and report.replaced_by
         assert fleet.record.hosts(names=[hot.name])[0].state == HostState.DESTROYED

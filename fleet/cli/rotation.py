@@ -13,6 +13,7 @@ from fleet.app import open_fleet
 from fleet.cli import render
 from fleet.cli.common import ConfigPath, JsonFlag, fail, load_settings, reporter, run_async
 from fleet.control import rotation
+from fleet.control import thermal as thermal_checks
 
 
 def health_cmd(
@@ -28,7 +29,7 @@ def health_cmd(
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:
-            return await (rotation.thermal_sweep(fleet) if thermal else rotation.health_sweep(fleet))
+            return await (thermal_checks.thermal_sweep(fleet) if thermal else rotation.health_sweep(fleet))
 
     reports = run_async(go)
     if json_output:

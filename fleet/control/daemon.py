@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sqlmodel import col, select
 
 from fleet.context import Context, open_context
-from fleet.control import gateway, rotation
+from fleet.control import gateway, rotation, thermal
 from fleet.control import sizing as sizing_mod
 from fleet.control.account import check_credit
 from fleet.control.reconcile import reconcile
@@ -197,7 +197,7 @@ async def run_reconcile(config_path: str) -> None:
 
 async def run_thermal(config_path: str) -> None:
     async def work(ctx: Context) -> None:
-        for r in await rotation.thermal_sweep(ctx):
+        for r in await thermal.thermal_sweep(ctx):
             log.info("thermal: %s %s%s", r.name, "ok" if r.healthy else f"FAIL: {r.reason}", _replaced(r))
 
     await _run("thermal", config_path, lambda r: _tick(r.thermal_every_s), work)

@@ -25,9 +25,7 @@ from fleet.control.up import UpRequest, up
 from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
 from fleet.engines import SERVICE_PORT
-from fleet.host import measure
 from fleet.host.endpoints import publish
-from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
 from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance, Maintenance
 from fleet.probes.server import bounded
@@ -178,24 +176,6 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
             report.replaced_by = new.name if new else None
 
     await asyncio.gather(*(replace_one(h, r) for h, r in doomed))
-    return reports
-
-
-async def thermal_sweep(ctx: Context) -> list[HealthReport]:
-    """Re-run the thermal probe on every READY host; replace a host that fails it, blacklisting its machine.
-    A host whose SSH host key changed since it was pinned is replaced too (the probe refuses to talk to it)."""
-    reports = []
-    for host in ctx.record.hosts(states=(HostState.READY,)):
-        try:
-            [result] = await measure.probe(ctx, host.name, only=["thermal"])
-            healthy, reason = result.passed, result.diagnosis
-        except HostKeyMismatch as e:
-            healthy, reason = False, f"host key changed: {e}"
-        report = HealthReport(host.name, healthy, reason, 0 if healthy else 1)
-        if not healthy:
-            new = await replace(ctx, host, f"thermal: {reason}", blacklist=True)
-            report.replaced_by = new.name if new else None
-        reports.append(report)
     return reports
 
 

@@ -167,6 +167,8 @@ class Host(SQLModel, table=True):
     # Its server in its target's gateway backend, the same in every gateway instance (one per open host of a
     # model and region: a unique index holds it), kept while it drains
     gateway_slot: int | None = None
+    # held from new calls until then (its gateway door drains): a thermal re-probe waits for its calls to end
+    held_until: datetime | None = None
 
 
 def host_age_s(host: Host) -> float:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from fleet.context import Context
 from fleet.core.config import Settings
 from fleet.core.gatewayrecord import assign_slot
-from fleet.core.models import BenchRun, Host, HostState
+from fleet.core.models import BenchRun, Host, HostState, as_utc, utcnow
 from fleet.economics.capacity import calls_held
 
 SERVED = (HostState.READY, HostState.DRAINING)
@@ -56,6 +56,11 @@ class Member:
     @property
     def server(self) -> str:
         return self.host
+
+
+def held(host: Host) -> bool:
+    """Held from new calls (a thermal re-probe waits for its calls to end): its door drains like a draining host's."""
+    return host.held_until is not None and as_utc(host.held_until) > utcnow()
 
 
 def targets(settings: Settings) -> list[Target]:
@@ -109,6 +114,6 @@ def _member(ctx: Context, host: Host, slot: int, run: BenchRun | None) -> Member
         port=port,
         streams=streams,
         calls=calls,
-        draining=host.state == HostState.DRAINING or streams <= 0,
+        draining=host.state == HostState.DRAINING or streams <= 0 or held(host),
         key=ctx.api_key(host) or "",
     )

@@ -49,6 +49,15 @@ async def drain(ctx: Context, host: Host, timeout_s: float | None = None) -> Non
             await asyncio.sleep(0.2)
 
 
+async def requests_now(ctx: Context, host: Host) -> int | None:
+    """The requests its server has in flight now, by its /metrics (None when it does not say)."""
+    async with ctx.server(host).client(timeout=5) as client:
+        try:
+            return requests_in_flight(await _metrics(client))
+        except (httpx.HTTPError, TimeoutError):
+            return None
+
+
 async def _metrics(client: httpx.AsyncClient) -> str:
     """The host's /metrics, at most MAX_METRICS bytes of it and within 5 s: a host that drips or floods its
     answer is not waited on nor read past that. Empty when it did not answer 200 or answered too much."""

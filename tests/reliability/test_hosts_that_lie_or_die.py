@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.control import rotation
+from fleet.control import thermal
 from fleet.control.up import UpRequest
 from fleet.core.models import HostState
 from fleet.host.remote import HostKeyMismatch
@@ -41,7 +41,7 @@ async def test_a_changed_host_key_is_refused_flagged_and_the_host_replaced(cloud
             await fleet.probe(host.name, only=["thermal"])
         assert [e.action for e in fleet.record.events(host.id) if e.kind == "error"] == ["host_key"]
         assert [b.machine_id for b in fleet.record.blacklist()] == [host.machine_id]
-        [report] = await rotation.thermal_sweep(fleet)  # the daemon's re-probe replaces it
+        [report] = await thermal.thermal_sweep(fleet)  # the daemon's re-probe replaces it
         assert not report.healthy and "host key changed" in report.reason and report.replaced_by
         assert fleet.record.hosts(names=[host.name])[0].state == HostState.DESTROYED
         await fleet.destroy(None)
