@@ -86,13 +86,19 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
     await profiles.check_template(ctx, profile)
     image_login(ctx.settings.provider)  # a private image's token is at hand before anything is rented
     await check_permissions(ctx)
-    funnel = await offers.search(ctx, request.model, request.region, request.max_price, exclude_unusable=True)
+    try:
+        funnel = await offers.search(ctx, request.model, request.region, request.max_price, exclude_unusable=True)
+    except AuthError as e:
+        raise await explain_refusal(ctx, e) from None
     ranked = [offer for offer, _ in offers.rank(ctx, profile, funnel.passed, request.by_price, funnel.pull_gb)]
     if request.dry_run:
         result.planned = ranked[: max(request.count, 1) * ctx.settings.up.max_attempts]
         return result
     async with ctx.waits.on("market"):
-        credit = await ctx.market.credit()
+        try:
+            credit = await ctx.market.credit()
+        except AuthError as e:
+            raise await explain_refusal(ctx, e) from None
         if credit is not None and credit <= 0:
             raise CreditSpent(
                 f"the account's credit is spent (${credit:.2f}): vast.ai rents nothing and stops every instance "
@@ -198,19 +204,32 @@ async def bring_up_one(
 
 
 async def check_permissions(ctx: Context) -> None:
-    """Once a process: the API key may do what renting needs, or one line names every permission it lacks (a
-    scoped key's search fails without `misc`, which the permissions page lists apart from the instance ones)."""
+    """Once a process, before anything is rented: the key may read its instances (a create it could not watch
+    would leak). Searching and reading the credit prove `misc` and `user_read` as they run; an AuthError from
+    either is explained by `explain_refusal`, so a good key costs one read, not a probe of each."""
     if ctx.permissions_checked:
         return
     async with ctx.waits.on("market"):
-        missing = await ctx.market.missing_permissions()
+        missing = await ctx.market.missing_permissions(only=("instance_read",))
     if missing:
-        lacks = "; ".join(f"{name} ({why})" for name, why in missing.items())
-        raise AuthError(
-            f"the API key lacks {lacks}: give it misc, instance_read, instance_write and user_read (user_write too,"
-            " to register fleet's SSH key on the account); nothing was created"
-        )
+        raise lacking(missing)
     ctx.permissions_checked = True
+
+
+async def explain_refusal(ctx: Context, refused: AuthError) -> AuthError:
+    """One line naming every permission the key lacks (a scoped key's search fails without `misc`, which the
+    permissions page lists apart from the instance ones), or the marketplace's own words if it lacks none."""
+    async with ctx.waits.on("market"):
+        missing = await ctx.market.missing_permissions()
+    return lacking(missing) if missing else refused
+
+
+def lacking(missing: dict[str, str]) -> AuthError:
+    lacks = "; ".join(f"{name} ({why})" for name, why in missing.items())
+    return AuthError(
+        f"the API key lacks {lacks}: give it misc, instance_read, instance_write and user_read (user_write too,"
+        " to register fleet's SSH key on the account); nothing was created"
+    )
 
 
 async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request: UpRequest, offer: Offer) -> Host:

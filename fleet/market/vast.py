@@ -177,7 +177,7 @@ class VastMarket:
             raise MarketError("search answered without an offers list")
         return [Offer.from_raw(row) for row in offers]
 
-    async def missing_permissions(self) -> dict[str, str]:
+    async def missing_permissions(self, only: tuple[str, ...] | None = None) -> dict[str, str]:
         """The permissions fleet needs that this key lacks, each with what fleet needs it for (empty: none), by one
         read of each kind (vast-cli's api_scopes.json says which an endpoint needs of a scoped key). The writes
         (instance_write; user_write, which fleet can do without) cannot be tried without doing something."""
@@ -188,6 +188,8 @@ class VastMarket:
         ]
         missing: dict[str, str] = {}
         for permission, why, method, path, kw in probes:
+            if only is not None and permission not in only:
+                continue
             endpoint = {"/api/v0/bundles/": "search", "/api/v1/instances/": "list"}.get(path, "user")
             try:
                 await self._request(endpoint, method, path, **kw)
