@@ -53,11 +53,14 @@ ROWS = [
     ("GH200", 1, "Norway, NO", 0.640, 0.996, 12.8, 16, 0.004, 500, True, "arm64"),
     ("GH200", 1, "Sweden, SE", 0.655, 0.995, 12.8, 16, 0.004, 500, True, "arm64"),
     ("GH200", 1, "Germany, DE", 0.670, 0.995, 12.8, 16, 0.004, 500, True, "arm64"),
+    # the cheapest EU 3090, with the RAM of a laptop: llama-server's prompt cache and the pull need more
+    ("RTX 3090", 1, "Estonia, EE", 0.176, 0.994, 12.8, 10, 0.004, 200, True, "8 GB of RAM"),
 ]
 # What a row's offer says apart from the columns above (its contract's time left, its link's speed).
 OVERRIDES = {
     "contract ends in 10 h": {"duration": 36000.0},
     "a 40 Mbit/s link": {"inet_down": 40.0},
+    "8 GB of RAM": {"cpu_ram": 8000},
     "arm64": {"cpu_arch": "arm64", "cpu_name": "NVIDIA Grace A02", "cpu_cores": 72, "cpu_cores_effective": 72.0},
 }
 

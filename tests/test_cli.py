@@ -107,6 +107,7 @@ def test_offers_json_has_ranked_offers_and_the_funnel(env):
     assert removed["reliability"] >= 1 and removed["CUDA"] >= 1 and removed["disk"] >= 1
     assert removed["direct"] >= 1 and removed["traffic"] >= 1 and removed["verified"] >= 1
     assert removed["compute"] >= 1 and removed["contract"] >= 1 and removed["download"] >= 1 and removed["CPU"] >= 1
+    assert removed["RAM"] == 1  # the 8 GB share holds no tiny host's 8 GB beside its 2 GiB prompt cache
 
 
 def test_offers_say_when_the_answer_filled_the_search_window(env, tmp_path):

@@ -129,6 +129,11 @@ def test_profile_may_not_set_what_fleet_sets(tmp_path):
         config.ConfigError, match=r"--chat-template is set by fleet.*name the template in chat_template"
     ):
         config.load(tmp_path / "fleet.toml")
+    for flag in ('"--cache-ram", "0"', '"-cram=0"'):
+        text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', f'"-t", "1", {flag}]')
+        (tmp_path / "fleet.toml").write_text(text)
+        with pytest.raises(config.ConfigError, match=r"models\.tiny: args: -(-cache-ram|cram) is set by fleet from"):
+            config.load(tmp_path / "fleet.toml")
 
 
 def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):

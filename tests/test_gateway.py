@@ -831,6 +831,47 @@ async def test_a_host_benched_for_calls_takes_new_calls_while_its_pinned_calls_s
         await publish(gw)
 
 
+async def test_a_thermal_sweep_never_runs_its_load_beside_a_live_call(gw):
+    """A call talks without pause on one host while the daemon's thermal re-probe sweeps: the idle host is probed;
+    the call's host is held from new calls (its door drains), and since its call goes on past the drain timeout it
+    is left for a later sweep, never probed under the call, and let go (issue 38: live turns' first content rose
+    from 23 ms to 244-398 ms under a re-probe)."""
+    gw.settings = gw.settings.model_copy(
+        update={"rotation": gw.settings.rotation.model_copy(update={"drain_timeout_s": 3.0})}
+    )
+    key = await gateway.add_key(gw, "live-agent")
+    await wait_hosts_up(gw)
+    stop = asyncio.Event()
+    turns: list[int] = []
+
+    async def talk() -> None:
+        async with client(gw, key) as c:
+            while not stop.is_set():
+                reply = await c.post(CHAT, json=turn("keep talking", max_tokens=4), headers={"X-Session-Id": "live"})
+                turns.append(reply.status_code)
+
+    talking = asyncio.create_task(talk())
+    try:
+        runtime = Runtime(files_for(gw.settings).socket)
+        for _ in range(200):
+            entry = (await runtime.table("calls_t0")).get("live-agent/live")
+            if entry and turns:
+                break
+            await asyncio.sleep(0.05)
+        slot = int(entry["server_key"][1:])
+        live = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
+        reports = {r.name: r for r in await thermal.thermal_sweep(gw)}
+    finally:
+        stop.set()
+        await talking
+    idle = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.name != live.name)
+    assert reports[live.name].reason.startswith(thermal.LEFT), reports[live.name]
+    assert [r.name for r in gw.record.probe_runs(live.id) if r.name == "thermal"] == []  # never under the call
+    assert [r.name for r in gw.record.probe_runs(idle.id) if r.name == "thermal"] == ["thermal"]
+    assert all(h.held_until is None for h in gw.record.hosts(states=(HostState.READY,)))  # let go
+    assert turns and set(turns) == {200}
+
+
 async def test_a_host_that_fails_before_the_first_byte_is_retried_on_the_other_and_the_call_re_pinned(gw, module_dir):
     key = await gateway.add_key(gw, "heidi")
     await wait_hosts_up(gw)
@@ -892,44 +933,3 @@ def test_destroy_all_and_gateway_stop_leave_no_haproxy_and_no_open_port(cloud, t
     assert destroyed.returncode == 0, destroyed.stderr
     assert not port_open(port) and not running(pid)
     assert processes_mentioning(Path(settings.gateway.directory)) == []
-
-
-async def test_a_thermal_sweep_never_runs_its_load_beside_a_live_call(gw):
-    """A call talks without pause on one host while the daemon's thermal re-probe sweeps: the idle host is probed;
-    the call's host is held from new calls (its door drains), and since its call goes on past the drain timeout it
-    is left for a later sweep, never probed under the call, and let go (issue 38: live turns' first content rose
-    from 23 ms to 244-398 ms under a re-probe)."""
-    gw.settings = gw.settings.model_copy(
-        update={"rotation": gw.settings.rotation.model_copy(update={"drain_timeout_s": 3.0})}
-    )
-    key = await gateway.add_key(gw, "live-agent")
-    await wait_hosts_up(gw)
-    stop = asyncio.Event()
-    turns: list[int] = []
-
-    async def talk() -> None:
-        async with client(gw, key) as c:
-            while not stop.is_set():
-                reply = await c.post(CHAT, json=turn("keep talking", max_tokens=4), headers={"X-Session-Id": "live"})
-                turns.append(reply.status_code)
-
-    talking = asyncio.create_task(talk())
-    try:
-        runtime = Runtime(files_for(gw.settings).socket)
-        for _ in range(200):
-            entry = (await runtime.table("calls_t0")).get("live-agent/live")
-            if entry and turns:
-                break
-            await asyncio.sleep(0.05)
-        slot = int(entry["server_key"][1:])
-        live = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
-        reports = {r.name: r for r in await thermal.thermal_sweep(gw)}
-    finally:
-        stop.set()
-        await talking
-    idle = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.name != live.name)
-    assert reports[live.name].reason.startswith(thermal.LEFT), reports[live.name]
-    assert [r.name for r in gw.record.probe_runs(live.id) if r.name == "thermal"] == []  # never under the call
-    assert [r.name for r in gw.record.probe_runs(idle.id) if r.name == "thermal"] == ["thermal"]
-    assert all(h.held_until is None for h in gw.record.hosts(states=(HostState.READY,)))  # let go
-    assert turns and set(turns) == {200}

@@ -34,6 +34,7 @@ def offer(i: int, **kw) -> Offer:
         end_date=NOW + 30 * 86400,
         inet_down_mbps=1000.0,
         cpu_arch="amd64",
+        cpu_ram_gb=64.0,
     )
     return Offer(**{**base, **kw})
 
@@ -53,6 +54,7 @@ CRITERIA = Criteria(
     min_gpu_ram_gb=24,
     compute_caps=COMPUTE_CAPS,
     contract_ends_after=NOW + 48 * 3600,
+    min_cpu_ram_gb=10.2,
 )
 
 
@@ -71,15 +73,17 @@ def test_each_filter_removes_its_offer_and_says_so():
         offer(11, end_date=NOW + 3 * 3600),  # its contract ends in 3 hours
         offer(12, inet_down_mbps=50.0),  # a 15 GB pull would take 40 minutes
         offer(13, gpu_name="GH200", compute_cap=900, cpu_arch="arm64"),  # the image is amd64
+        offer(14, cpu_ram_gb=8.0),  # a share of RAM below the server, its prompt cache and the pull
     ]
     result = funnel(offers, CRITERIA, PROFILE)
     assert [o.id for o in result.passed] == [1]
-    assert [count for _, count in result.removed] == [1] * 12
+    assert [count for _, count in result.removed] == [1] * 13
     names = [name for name, _ in result.removed]
     assert names[7].startswith("compute capability 8/8.6/8.9/9/10/12")
     assert names[8] == "CPU amd64 (the image's)"
-    assert names[9] == "contract runs >= 48 h" and names[10] == "download >= 128 Mbit/s"
-    assert result.seen == 13 and result.as_dict()["passed"] == 1
+    assert names[9] == "RAM >= 10.2 GB (the profile's)"
+    assert names[10] == "contract runs >= 48 h" and names[11] == "download >= 128 Mbit/s"
+    assert result.seen == 14 and result.as_dict()["passed"] == 1
 
 
 def test_ranking_is_by_effective_price_including_traffic():

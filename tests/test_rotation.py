@@ -6,6 +6,7 @@ import json
 import sqlite3
 import ssl
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -196,6 +197,40 @@ async def test_a_dead_llama_server_is_replaced_within_two_sweeps(cloud, tmp_path
         assert ready == {other.name, new_name}
         assert client.failed == 0 and client.empty_reads == 0
         await fleet.destroy(None)
+
+
+async def test_a_health_sweep_records_each_hosts_memory_and_the_server_runs_with_the_profiles_cache_limit(
+    cloud, tmp_path
+):
+    """issue 38: llama-server's RAM prompt cache grew ~73 MiB an hour per host with --cache-ram unset (8 GiB).
+    The server runs with the profile's cache_ram_mib, and each sweep records the host's RAM and the server's
+    resident set, read on the host: the same figure /proc gives for that process here."""
+    async with fleet_for(settings_fast(tmp_path)) as fleet:
+        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+        try:
+            host_dir = cloud.info.state_dir / "hosts" / str(host.instance_id)
+            pid = int(next(host_dir.rglob("llama-server.pid")).read_text())
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            limit = fleet.settings.profile("tiny").cache_ram_mib
+            assert argv[argv.index("--cache-ram") + 1] == str(limit) and argv.count("--cache-ram") == 1
+            [report] = await rotation.health_sweep(fleet)
+            assert report.healthy, report
+            read = fleet.record.host(host.id)
+            assert read.ram_total_mib > read.ram_available_mib > 0
+            rss_kib = next(
+                int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")
+            )  # fmt: skip
+            assert read.server_rss_mib is not None and 0.5 < read.server_rss_mib / (rss_kib / 1024) < 2
+            [shown] = [h for h in fleet.status() if h["name"] == host.name]
+            assert shown["server_rss_mib"] == read.server_rss_mib and shown["ram_available_mib"] > 0
+            # the server gone: its resident set is unknown, the machine's RAM still read
+            await kill_llama_server(host.ssh_host, host.ssh_port, fleet.ssh_key.private)
+            [report] = await rotation.health_sweep(fleet)
+            read = fleet.record.host(host.id)
+            assert not report.healthy and read.server_rss_mib is None and read.ram_total_mib > 0
+        finally:
+            await fleet.destroy(None)
 
 
 async def test_a_vanished_host_is_replaced_at_once(cloud, tmp_path):

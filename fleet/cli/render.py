@@ -156,6 +156,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
         "cost $",
         "calls (speakers)",
         "$/voice-min",
+        "RAM free (server) GiB",
         "contract ends",
         "endpoint",
     )
@@ -170,12 +171,21 @@ def status(hosts: list[dict[str, Any]]) -> None:
             f"{h['accrued_usd']:.4f}",
             held_calls(h),
             "-" if h["usd_per_voice_minute"] is None else f"{h['usd_per_voice_minute']:.5f}",
+            host_memory(h),
             h["contract_end_at"][:16].replace("T", " ") if h["contract_end_at"] else "-",
             h["endpoint"] or "-",
         )
         for h in hosts
     ]
     table(columns, rows)
+
+
+def host_memory(h: dict[str, Any]) -> str:
+    """The last health sweep's read: the machine's RAM available, the server's resident set beside it."""
+    if h.get("ram_available_mib") is None:
+        return "-"
+    server = "-" if h["server_rss_mib"] is None else f"{h['server_rss_mib'] / 1024:.1f}"
+    return f"{h['ram_available_mib'] / 1024:.1f} ({server})"
 
 
 def held_calls(h: dict[str, Any]) -> str:

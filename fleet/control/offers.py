@@ -13,6 +13,7 @@ from fleet.core.models import LIVE_STATES, OfferSeen, utcnow
 from fleet.economics import offers as offer_rules
 from fleet.economics import selection
 from fleet.economics.selection import Expectation
+from fleet.engines import serving
 from fleet.engines.llama_server import COMPUTE_CAPS
 from fleet.host import profile as profiles
 from fleet.market import Offer
@@ -44,6 +45,7 @@ def criteria(
         + ctx.settings.provider.image_gb_for(profile.engine),
         one_card=profile.engine == "vllm",  # fleet starts vLLM without tensor parallelism: it uses one card
         cpu_arch=provider.image_arch,
+        min_cpu_ram_gb=serving.host_ram_gb(profile),
     )
 
 

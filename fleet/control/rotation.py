@@ -26,6 +26,9 @@ from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
 from fleet.engines import SERVICE_PORT
 from fleet.host.endpoints import publish
+from fleet.host.measure import host_memory
+from fleet.host.ops import HostMemory
+from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
 from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance, Maintenance
 from fleet.probes.server import bounded
@@ -58,6 +61,27 @@ class Move:
     move: bool
     why: str
     new_host: str | None = None
+
+
+async def checked(
+    ctx: Context, host: Host, instance: Instance | None
+) -> tuple[tuple[bool, bool, str], HostMemory | None]:
+    """check_host and, beside it, the host's memory (what a growing prompt cache or a leak shows first), both
+    within rotation.health_timeout_s. A host whose SSH key is not the pinned one is gone, whatever it serves."""
+    if instance is None or instance.stopped or instance.down:
+        return await check_host(ctx, host, instance), None
+    timeout = ctx.settings.rotation.health_timeout_s
+    check, memory = await asyncio.gather(
+        check_host(ctx, host, instance), host_memory(ctx, host, timeout), return_exceptions=True
+    )
+    if isinstance(check, BaseException):
+        raise check
+    if isinstance(memory, HostKeyMismatch):
+        ctx.record.event("error", "host_key", json.dumps({"error": str(memory)}), host.id)
+        return (False, True, "its SSH host key is not the one pinned at first contact"), None
+    if isinstance(memory, BaseException):
+        raise memory
+    return check, memory
 
 
 async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
@@ -148,14 +172,21 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     """Check every READY host; replace those that failed K sweeps in a row or whose instance is gone."""
     hosts = ctx.record.hosts(states=(HostState.READY,))
     view = await marketplace_view(ctx, hosts)
-    checks = await asyncio.gather(*(check_host(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
+    checks = await asyncio.gather(*(checked(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
     ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
     windows = await ctx.market.maintenances(sorted({h.machine_id for h in hosts})) if hosts else []
-    for host, (healthy, gone, reason) in zip(hosts, checks, strict=True):
+    for host, ((healthy, gone, reason), memory) in zip(hosts, checks, strict=True):
         take_extension(ctx, host, view.get(host.instance_id or -1))
         failures = 0 if healthy else host.health_failures + 1
-        ctx.record.update(host, health_failures=failures, last_health_at=utcnow())
+        ctx.record.update(
+            host,
+            health_failures=failures,
+            last_health_at=utcnow(),
+            ram_total_mib=memory.total_mib if memory else None,
+            ram_available_mib=memory.available_mib if memory else None,
+            server_rss_mib=memory.server_rss_mib if memory else None,
+        )
         if not healthy:
             ctx.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
         # vast.ai stopping an instance (spent credit, an ended contract) is not its machine's fault

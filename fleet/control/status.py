@@ -58,6 +58,10 @@ def host_summary(h: Host) -> dict[str, Any]:
         "contract_end_at": as_utc(h.contract_end_at).isoformat() if h.contract_end_at else None,
         "failed_phase": h.failed_phase,
         "failure_reason": h.failure_reason,
+        # the last health sweep's read (None: not read): RAM is finite and shared with the pull
+        "ram_total_mib": h.ram_total_mib,
+        "ram_available_mib": h.ram_available_mib,
+        "server_rss_mib": h.server_rss_mib,
     }
 
 

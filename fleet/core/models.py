@@ -169,6 +169,11 @@ class Host(SQLModel, table=True):
     gateway_slot: int | None = None
     # held from new calls until then (its gateway door drains): a thermal re-probe waits for its calls to end
     held_until: datetime | None = None
+    # what the last health sweep read of its memory (None: not read, or the read failed): the machine's RAM as
+    # its /proc/meminfo says (a container sees the machine's, not its share) and the server's resident set
+    ram_total_mib: float | None = None
+    ram_available_mib: float | None = None
+    server_rss_mib: float | None = None
 
 
 def host_age_s(host: Host) -> float:

@@ -108,6 +108,13 @@ class Profile(Strict):
     # libraries, the compute buffers of the target and any draft), as `bench/gpu/run plan` measured it; its
     # compute buffers follow ggml's allocator, not the header. Unset: [plan] runtime_overhead_mib.
     runtime_mib: Annotated[float | None, Field(ge=0)] = None
+    # llama-server's prompt cache in the host's RAM (--cache-ram, MiB; 0: none): where a slot's cached prompt
+    # goes when another call takes the slot, so that its call finds it again. Unset, llama-server lets it grow
+    # to 8 GiB over a day of calls on a rented machine's finite RAM; fleet bounds it here.
+    cache_ram_mib: Annotated[int, Field(ge=0, le=1_048_576)] = 2048
+    # The RAM a host needs beside that cache (the server process, aria2c's pull, sshd): an offer whose system
+    # RAM (vast.ai's cpu_ram: the instance's share of the machine's) holds less than both is filtered out.
+    host_ram_gb: Annotated[float, Field(ge=0, le=4096)] = 8.0
 
     @field_validator("chat_template")
     @classmethod
@@ -149,6 +156,9 @@ class Profile(Strict):
                     f"args: {forbidden} is set by fleet, not the profile"
                     + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
                 )
+        for flag in ("--cache-ram", "-cram"):
+            if any(a == flag or a.startswith(flag + "=") for a in self.args):
+                raise ValueError(f"args: {flag} is set by fleet from the profile's cache_ram_mib")
         if self.fill_card and not ("-np" in self.args and "-c" in self.args):
             raise ValueError("fill_card: the args must give -np and -c, which fleet sets for each host's card")
         if self.max_slots is not None and self.max_slots < self.slots:

@@ -34,6 +34,7 @@ class Criteria:
     plan_gib: float = 0.0  # what the plan needs on the card (min_gpu_ram_gb is the larger of it and the card's)
     one_card: bool = False  # the engine serves from one card (vLLM without tensor parallelism): no sum over GPUs
     cpu_arch: str = "amd64"  # the image's: an offer that lists another (or none) cannot start it
+    min_cpu_ram_gb: float = 0.0  # the system RAM a host of the profile needs (engines/serving.py)
 
 
 @dataclass
@@ -87,6 +88,8 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
             (f"compute capability {caps} (the image's CUDA build)", lambda o: o.compute_cap in c.compute_caps)
         )
     checks.append((f"CPU {c.cpu_arch} (the image's)", lambda o: o.cpu_arch == c.cpu_arch))
+    if c.min_cpu_ram_gb:
+        checks.append((f"RAM >= {c.min_cpu_ram_gb:.1f} GB (the profile's)", lambda o: o.cpu_ram_gb >= c.min_cpu_ram_gb))
     if c.contract_ends_after:
         checks.append(
             (
@@ -189,6 +192,7 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
         min_inet_down_mbps=f.min_inet_down_mbps or None,
         max_dph_total=criteria.max_usd_per_hour,
         cpu_arch=criteria.cpu_arch,
+        min_cpu_ram_gb=criteria.min_cpu_ram_gb or None,
     )
 
 
@@ -202,5 +206,6 @@ def asked(query: OfferQuery) -> str:
     parts += ["compute capability"] if query.compute_caps else []
     parts += ["contract length"] if query.min_duration_s else []
     parts += ["download speed"] if query.min_inet_down_mbps else []
+    parts += ["RAM"] if query.min_cpu_ram_gb else []
     parts += ["price"] if query.max_dph_total is not None else []
     return ", ".join(parts)

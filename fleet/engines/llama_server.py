@@ -58,8 +58,14 @@ def cache_args(profile: Profile) -> list[str]:
 
 
 def profile_args(profile: Profile) -> list[str]:
-    """The profile's flags as fleet runs them: its own, then the cache layout fleet adds ({file.key} unfilled)."""
-    return [*profile.args, *cache_args(profile)]
+    """The profile's flags as fleet runs them: its own, then the cache layout and the bound on the RAM prompt
+    cache fleet adds ({file.key} unfilled)."""
+    return [*profile.args, *cache_args(profile), "--cache-ram", str(profile.cache_ram_mib)]
+
+
+def host_ram_gb(profile: Profile) -> float:
+    """The system RAM a host of this profile needs: the RAM prompt cache llama-server may fill, and the rest."""
+    return profile.host_ram_gb + profile.cache_ram_mib * 2**20 / 1e9
 
 
 def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]:

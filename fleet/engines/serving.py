@@ -17,6 +17,11 @@ def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]
     return llama_server.server_argv(profile, port, files)
 
 
+def host_ram_gb(profile: Profile) -> float:
+    """The system RAM (GB) an offer must give a host of this profile (vLLM's host side is its profile's alone)."""
+    return profile.host_ram_gb if profile.engine == "vllm" else llama_server.host_ram_gb(profile)
+
+
 def pid_file(profile: Profile) -> str:
     return vllm.PID_FILE if profile.engine == "vllm" else "llama-server.pid"
 

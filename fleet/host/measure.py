@@ -21,8 +21,9 @@ from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voi
 from fleet.economics.duty import calls_for
 from fleet.host import profile as profiles
 from fleet.host.endpoints import publish
+from fleet.host.ops import HostMemory, read_memory
 from fleet.host.phase import PhaseFailed
-from fleet.host.remote import HostKeyMismatch, connect
+from fleet.host.remote import HostKeyMismatch, RemoteError, connect
 from fleet.host.teardown import blacklist_machine
 from fleet.probes import ProbeResult
 from fleet.probes.bench import LevelResult, fit_call, run_bench
@@ -150,6 +151,26 @@ async def probe(
     finally:
         if ssh is not None:
             ssh.close()
+
+
+async def host_memory(ctx: Context, host: Host, timeout_s: float) -> HostMemory | None:
+    """The host's RAM and its server's resident set over its pinned SSH session, within `timeout_s`; None when
+    it could not be read (the health check decides about the host). A host presenting an SSH key other than the
+    pinned one raises HostKeyMismatch."""
+    if not (host.ssh_host and host.ssh_port):
+        return None
+    profile = ctx.settings.profile(host.model)
+    try:
+        async with asyncio.timeout(timeout_s):
+            ssh, _ = await connect(host.ssh_host, host.ssh_port, ctx.ssh_key, host.host_key, timeout_s)
+            try:
+                return await read_memory(ssh, profile, timeout_s)
+            finally:
+                ssh.close()
+    except HostKeyMismatch:
+        raise
+    except (TimeoutError, RemoteError, asyncssh.Error, OSError):
+        return None
 
 
 async def bench(ctx: Context, name: str, options: BenchOptions) -> BenchReport:

@@ -11,6 +11,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import asyncssh
 import httpx
@@ -204,3 +205,32 @@ async def server_log_tail(conn: asyncssh.SSHClientConnection, profile: Profile) 
     except RemoteError:
         return "no log"
     return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    total_mib: float  # the machine's RAM as /proc/meminfo says (a container sees the machine's)
+    available_mib: float
+    server_rss_mib: float | None  # None: the server is not running
+
+
+# the machine's meminfo, then the server's resident set (nothing when its process is gone)
+_MEMORY = (
+    'grep -E "^(MemTotal|MemAvailable):" /proc/meminfo; grep "^VmRSS:" "/proc/$(cat "$1")/status" 2>/dev/null; true'
+)
+
+
+async def read_memory(conn: asyncssh.SSHClientConnection, profile: Profile, timeout_s: float) -> HostMemory:
+    """The host's RAM and its server's resident set. What the host prints is a stranger's: only the three
+    lines asked for are read, each a finite number of kB, or RemoteError."""
+    result = await run(conn, ["sh", "-c", _MEMORY, "sh", f"{RUN_DIR}/{serving.pid_file(profile)}"], timeout_s=timeout_s)
+    found: dict[str, float] = {}
+    for line in str(result.stdout or "").splitlines():
+        name, _, value = line.partition(":")
+        number, _, unit = value.strip().partition(" ")
+        if name not in ("MemTotal", "MemAvailable", "VmRSS") or name in found or unit != "kB" or not number.isdigit():
+            raise RemoteError(f"the host's memory read is not /proc's: {line[:80]!r}")
+        found[name] = int(number) / 1024
+    if "MemTotal" not in found or "MemAvailable" not in found:
+        raise RemoteError("the host's /proc/meminfo names no MemTotal or MemAvailable")
+    return HostMemory(found["MemTotal"], found["MemAvailable"], found.get("VmRSS"))

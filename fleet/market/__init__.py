@@ -96,6 +96,7 @@ class Offer:
     inet_down_mbps: float = 0.0  # the machine's measured download speed
     datacenter: bool = False  # hosting_type 1: a machine in a certified datacenter
     cpu_arch: str = ""  # the machine's CPU architecture as listed (amd64, arm64); "" when the offer does not say
+    cpu_ram_gb: float = 0.0  # the system RAM the instance gets (vast.ai's cpu_ram, MB: its share of the machine's)
 
     @property
     def country(self) -> str:
@@ -129,11 +130,12 @@ class Offer:
                 inet_down_mbps=float(row.get("inet_down") or 0.0),
                 datacenter=row.get("hosting_type") == 1 or row.get("datacenter") is True,
                 cpu_arch=_text(row.get("cpu_arch") or "")[:16],
+                cpu_ram_gb=float(row.get("cpu_ram") or 0.0) / 1000,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
         numbers = (offer.dph_total, offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb, offer.reliability)
-        more = (offer.cuda_max_good, offer.disk_space_gb, offer.inet_down_mbps, offer.end_date or 0.0)
+        more = (offer.cuda_max_good, offer.disk_space_gb, offer.inet_down_mbps, offer.end_date or 0.0, offer.cpu_ram_gb)
         if not all(math.isfinite(n) for n in (*numbers, *more)):
             raise MarketError(f"malformed offer {offer.id}: a number that is not finite")
         return offer
@@ -169,6 +171,7 @@ class OfferQuery:
     min_inet_down_mbps: float | None = None
     max_dph_total: float | None = None
     cpu_arch: str | None = None  # the image's: a machine of another architecture cannot start it
+    min_cpu_ram_gb: float | None = None  # the system RAM a host of the profile needs
 
 
 @dataclass(frozen=True)
