@@ -1,5 +1,5 @@
 """`python -m fleet`: the CLI, where no `fleet` script is installed (the GPU bench's machine)."""
 
-from fleet.cli import app
+from fleet.cli import main
 
-app()
+main()

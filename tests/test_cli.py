@@ -75,6 +75,25 @@ def test_bad_input_exits_2_and_creates_nothing(env, cloud, tmp_path):
     assert not (tmp_path / "fleet.db").exists() or json.loads(fleet(env, "status", "--all", "--json").stdout) == []
 
 
+def test_usage_errors_under_json_are_one_json_error_and_exit_2(env, cloud, tmp_path):
+    """An option typer refuses before the command runs (issue 37: `--max-price abc` printed typer's box): under
+    --json it is `{"error": ...}` on stdout like any other error, exit 2, and nothing is rented."""
+    cases = [
+        (["offers", "--model", "tiny", "--region", "eu", "--json", "--max-price", "abc"], "'--max-price'"),
+        (["up", "--json", "--model", "tiny", "--region", "eu", "--count", "two"], "'--count'"),
+        (["status", "--json", "--bogus"], "No such option: --bogus"),
+        (["up", "--json", "--region", "eu"], "Missing option '--model'"),
+    ]
+    for args, message in cases:
+        result = fleet(env, *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert message in json.loads(result.stdout)["error"], args
+    # without --json, typer's own message on stderr, exit 2 as before
+    plain = fleet(env, "offers", "--model", "tiny", "--region", "eu", "--max-price", "abc")
+    assert plain.returncode == 2 and plain.stdout == "" and "--max-price" in plain.stderr
+    assert cloud.state()["instances"] == {}
+
+
 def test_missing_config_file_exits_2(env, tmp_path):
     result = fleet({**env, "FLEET_CONFIG": str(tmp_path / "absent.toml")}, "status")
     assert result.returncode == 2 and "no such config file" in one_line_error(result)

@@ -632,6 +632,50 @@ async def test_haproxy_killed_is_started_again_by_fleet_with_its_keys_and_hosts(
         assert (await c.post(CHAT, json=turn("hi again"))).status_code == 200
 
 
+async def busy_requests(fleet: Fleet) -> dict[str, float]:
+    """Each READY host's requests in progress, by its llama-server's /metrics."""
+    found = {}
+    for host in fleet.record.hosts(states=(HostState.READY,)):
+        async with fleet.server(host).client(timeout=30) as c:
+            text = (await c.get("/metrics")).raise_for_status().text
+        line = next(x for x in text.splitlines() if x.startswith("llamacpp:requests_processing "))
+        found[host.name] = float(line.split()[1])
+    return found
+
+
+async def test_haproxy_killed_mid_reply_ends_the_stream_with_an_error_frees_the_slot_and_the_next_turn_is_served(
+    cloud, gw
+):
+    """issue 38: HAProxy killed with SIGKILL while a reply streams. The agent's stream ends with an error, never
+    as a whole reply; the host's server drops the orphaned reply (its slot decodes nothing more); fleet starts
+    HAProxy again, and the call's next turn is answered on its first try."""
+    key = await gateway.add_key(gw, "kate")
+    await wait_hosts_up(gw)
+    files = files_for(gw.settings)
+    slow_down(cloud, gw)
+    try:
+        async with client(gw, key, timeout=60) as c:
+            stream = Stream(c, "cut")
+            await stream.first.wait()
+            assert not stream.done and sum((await busy_requests(gw)).values()) == 1
+            os.kill(process.running_pid(files), signal.SIGKILL)
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await stream.task
+            assert not stream.finished_with_done
+    finally:
+        cloud.set_faults({})
+    for _ in range(600):  # the server sees its client gone at its next token and ends the reply
+        if sum((await busy_requests(gw)).values()) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert sum((await busy_requests(gw)).values()) == 0
+    assert (await gateway.keep(gw)) is not None and process.running_pid(files) is not None
+    await wait_hosts_up(gw)
+    async with client(gw, key) as c:
+        reply = await c.post(CHAT, json=turn("are you there?"), headers={"X-Session-Id": "cut"})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
+
+
 async def test_a_call_is_its_agents_another_agent_naming_its_id_makes_a_new_call(gw):
     """Agent B naming A's call (header, body's user or prompt_cache_key) is never taken for a turn of A's call:
     it is a new call of B's, admitted as one, pinned apart, and A's call goes on where it was."""
@@ -731,6 +775,23 @@ print(json.dumps(reached))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="another user's attempt needs root to become that user")
+async def test_a_second_install_on_the_same_port_fails_to_start_and_takes_no_call_of_the_first(gw, module_dir):
+    """Two installs on one machine, both on the gateway's port (issue 37): Linux let the second HAProxy bind it
+    beside the first (SO_REUSEPORT) and share out the first's connections. The second now fails in one line
+    naming the address, leaves nothing running, and every call still reaches the first."""
+    key = await gateway.add_key(gw, "uma")
+    await wait_hosts_up(gw)
+    second = gateway_settings(module_dir, "second-install", port=gw.settings.gateway.port)
+    async with fleet_for(second) as other:
+        with pytest.raises(process.GatewayError, match=r"^the gateway's address \S+:\d+ is taken by another process"):
+            await gateway.start(other)
+        assert process.running_pid(files_for(second)) is None
+    async with client(gw, key) as c:
+        for i in range(12):  # each a new connection: none lands on a second listener
+            c.headers["Connection"] = "close"
+            assert (await c.post(CHAT, json=turn(f"still mine {i}"))).status_code == 200
+
+
 async def test_no_other_user_reaches_the_gateways_internal_doors(two_hosts, module_dir):
     """Every Unix socket HAProxy listens on (the admin socket, each slot's door to its host) refuses another
     uid, with every folder above the gateway's open to it: a door it reached would carry its requests to a

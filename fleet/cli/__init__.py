@@ -6,7 +6,11 @@ Exit codes: 0 ok, 1 failed, 2 bad input.
 
 from __future__ import annotations
 
+import json
+import sys
+
 import typer
+from typer.exceptions import Abort, Exit, TyperException
 
 from fleet.cli import cloud, gateway, hosts, measure, offers, rotation
 
@@ -37,3 +41,23 @@ for name, command in COMMANDS.items():
     app.command(name)(command)
 for name, command in {"start": cloud.cloud_start, "stop": cloud.cloud_stop, "status": cloud.cloud_status}.items():
     cloud_app.command(name)(command)
+
+
+def main() -> None:
+    """The `fleet` command. Under `--json`, a usage error typer finds before any command runs (an option's value
+    of the wrong type, an unknown option, a missing argument) is one line on stdout, `{"error": ...}`, and exit 2,
+    as every error a command finds is: a script reads JSON whatever went wrong."""
+    if "--json" not in sys.argv[1:]:
+        app()
+        return
+    try:
+        code = app(standalone_mode=False)
+    except Exit as e:
+        sys.exit(e.exit_code)
+    except Abort:
+        sys.exit(1)
+    except TyperException as e:  # click's errors: a usage error exits 2
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(json.dumps({"error": message.splitlines()[0] if message else type(e).__name__}))
+        sys.exit(getattr(e, "exit_code", 1))
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,5 +1,5 @@
 """`python -m fleet.cli`: the CLI, as the tests and scripts run it."""
 
-from fleet.cli import app
+from fleet.cli import main
 
-app()
+main()

@@ -50,6 +50,9 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         f"  tune.bufsize {BUFFER_BYTES}",
         f"  nbthread {g.threads}",
         "  ssl-server-verify required",
+        # Linux lets a second HAProxy (another install's gateway on this machine) bind the same port with
+        # SO_REUSEPORT and share out its connections: it must fail to start instead
+        "  noreuseport",
         "  log stdout format raw local0 info",  # HAProxy runs in the foreground, its output the access log
         # every TLS hop, the agents' and fleet's own: TLS 1.3, or 1.2 with forward secrecy and an AEAD cipher
         f"  ssl-default-bind-ciphers {TLS12_CIPHERS}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,8 @@ from fleet.gateway.haproxy import render
 from fleet.gateway.targets import Target
 
 START_TIMEOUT_S = 10.0
+# HAProxy's alert for a port another process holds: "cannot bind socket (Address already in use) for [ADDR:PORT]"
+TAKEN = re.compile(r"Address already in use\) for \[([^\]]+)\]")
 
 
 class GatewayError(FleetError):
@@ -95,6 +98,11 @@ async def start(files: GatewayFiles, settings: Settings, targets: list[Target], 
             files.pidfile.unlink(missing_ok=True)
             said = files.errors.read_text(errors="replace").splitlines()
             alerts = [line for line in said if "ALERT" in line] or said[-1:] or [f"exit status {process.returncode}"]
+            if taken := next((m for line in alerts if (m := TAKEN.search(line))), None):
+                raise GatewayError(
+                    f"the gateway's address {taken.group(1)[:80]} is taken by another process (another fleet "
+                    "install's gateway?): give this install its own [gateway] port (and [[serve]] ports)"
+                )
             raise GatewayError(f"HAProxy did not start: {alerts[0][:300]}")
         if files.socket.exists() and running_pid(files) == process.pid:
             return process.pid

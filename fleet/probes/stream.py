@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
 DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
+# A rate this client measures needs its tokens spread over time: at least one read of the socket for every
+# TOKENS_PER_READ tokens. A reply that reached it in a few reads (a server, a proxy or this busy machine that
+# held them back) says nothing of how fast they were decoded: 1,000 tokens in one read once read as 171,739 tok/s.
+TOKENS_PER_READ = 16
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -85,6 +90,7 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
     server_timings: dict[str, Any] = field(default_factory=dict)
     events: int = 0
+    reads: int = 0  # the socket reads that brought events: how spread over time the reply arrived
     error: str | None = None
     server_closed: bool = False  # the server closed the connection after this response
     max_tokens: int | None = None  # what the request asked for: no reply holds more
@@ -94,32 +100,41 @@ class ChatResult:
         """What the server says of this reply: its `timings`, else its `usage` (fleet/engines/replies.py)."""
         return Timings.of(self.server_timings, self.usage)
 
-    @property
-    def delivered_tok_s(self) -> float | None:
-        """What arrived here: the tokens the server counts (no more than were asked for) after the first, over
-        this clock's time from the first event (the first token, whether or not it was text yet: vLLM holds
-        back bytes that do not decode yet) to the end; None when that says nothing."""
+    def _tokens(self) -> int:
+        """The tokens the server counts for this reply, no more than were asked for."""
         tokens = self.usage.get("completion_tokens") or self.served.predicted_n
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             tokens = self.served.predicted_n
-        if self.max_tokens is not None:
-            tokens = min(tokens, self.max_tokens)
+        return min(tokens, self.max_tokens) if self.max_tokens is not None else tokens
+
+    @property
+    def delivered_tok_s(self) -> float | None:
+        """What arrived here: the tokens after the first, over this clock's time from the first event (the first
+        token, whether or not it was text yet: vLLM holds back bytes that do not decode yet) to the end; None
+        when that says nothing, as when the reply came in a burst (TOKENS_PER_READ)."""
+        tokens = self._tokens()
         first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
+            return None
+        if self.reads < max(2, min(tokens, math.ceil(tokens / TOKENS_PER_READ))):
             return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
 
     @property
     def decode_tok_s(self) -> float | None:
-        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here. A
-        host cannot flatter its decode much past what it delivered; the slack covers this client's own lag
-        on a busy machine. A server that states no rate (vLLM) is measured by what arrived."""
+        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here (the
+        slack covers this client's own lag on a busy machine): a host cannot flatter its decode much past what
+        it delivered. A reply that came in a burst bounds the claim by its whole time instead, prefill and
+        queueing in it. A server that states no rate (vLLM) is measured by what arrived, and a burst gives none."""
         claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
         if claimed is None:
             return delivered
-        if delivered is None:
+        if delivered is not None:
+            return min(claimed, delivered * DECODE_SLACK)
+        tokens = self._tokens()
+        if tokens < 2 or self.timing.total_ms <= 0:
             return claimed
-        return min(claimed, delivered * DECODE_SLACK)
+        return min(claimed, (tokens - 1) / (self.timing.total_ms / 1000) * DECODE_SLACK)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""
@@ -225,9 +240,13 @@ class Connection:
                 result.server_closed = True
             return result
         async for chunk in self._body(headers):
+            read_events = False
             for data in parser.feed(chunk):
                 if data == "[DONE]":
                     continue
+                if not read_events:
+                    read_events = True
+                    result.reads += 1
                 if result.timing.first_event_ms is None:
                     result.timing.first_event_ms = (time.perf_counter() - started) * 1000
                 result.events += 1
