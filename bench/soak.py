@@ -315,14 +315,20 @@ def report_soak(args: argparse.Namespace, samples: list[tuple[float, dict]], tal
             print(f"| {name} | - | - | - | - |")
             continue
         hourly = slope_per_hour(points)
-        print(
-            f"| {name} | {points[0][1]:.1f} | {points[-1][1]:.1f} | {hourly:+.1f} | {hourly * 24 / COMPRESSION:+.1f} |"
-        )
+        # what the calls drive (a server's prompt cache) grows with them, not with housekeeping's schedules
+        daily = "(calls, not schedules)" if name.startswith("llama-server") else f"{hourly * 24 / COMPRESSION:+.1f}"
+        print(f"| {name} | {points[0][1]:.1f} | {points[-1][1]:.1f} | {hourly:+.1f} | {daily} |")
     turns = len(talk.turns) if talk else 0
     failed = talk.failed if talk else []
     print(f"\nturns: {turns}, failed: {len(failed)} (target 0)" + (f"; the first: {failed[0][:160]}" if failed else ""))
     warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line or "Traceback" in line]
-    print(f"daemon log: {len(warnings)} warning or error lines" + (f"; first: {warnings[0][:160]}" if warnings else ""))
+    print(f"daemon log: {len(warnings)} warning or error lines")
+    kinds: dict[str, int] = {}
+    for line in warnings:  # by what they say, the times and the job's next run left out
+        kind = re.sub(r"\d[\d:., -]*", "#", line.split(" ", 2)[-1])[:110]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {count} x {kind}")
 
 
 async def main(args: argparse.Namespace) -> None:
