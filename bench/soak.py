@@ -9,13 +9,15 @@ WAL) and rows of `job_runs` and `events`. The first third is warm-up; a least-sq
 gives each figure's growth per hour of the run, and per day at the default schedules (the run's ticks come
 at `compression` times the default rate). Failed turns are counted (target 0).
 
-`--sweep`: two hosts behind the gateway, one call talking without pause; rounds alternate a window with no
-housekeeping and a window in which `thermal_sweep` runs (the daemon's thermal re-probe), and the live turns'
+`--sweep`: two hosts behind the gateway, one call talking without pause (its client a process of its own);
+rounds alternate a window with no housekeeping, a window in which `thermal_sweep` runs (the daemon's thermal
+re-probe), one in which the call's host is held and let go alone (no probe anywhere), and the live turns'
 first content p50/p95 of each is printed side by side with the ratio (target: p95 within 1.10 of the
 sweep-free windows; issue 38 saw 244-398 ms against a p50 of 23 ms when the probe ran beside the call), and
 beside them the same probe run on the call's host, as sweeps did before. On this machine the hosts share its
-cores, so the idle host's probe load takes CPU the call's host would use: `--apart` gives the hosts without
-the call the lowest CPU priority, as if each had a machine of its own.
+cores, so the idle host's probe load and the probe's clients (the daemon's, in this process) take CPU the
+call's host would use: `--apart` gives the hosts without the call and this process the lowest CPU priority,
+as if each had a machine of its own.
 
 Usage: .venv/bin/python bench/soak.py [--minutes 20] [--sample-s 15] [--calls 2]
        .venv/bin/python bench/soak.py --sweep [--rounds 4] [--window-s 8] [--apart]
@@ -30,6 +32,7 @@ import os
 import re
 import signal
 import sqlite3
+import ssl
 import statistics
 import subprocess
 import sys
@@ -136,6 +139,46 @@ async def set_apart(fleet: Any, cloud_dir: Path) -> None:
             print(f"{host.name} (no call) runs at nice 19", file=sys.stderr)
 
 
+class Talker:
+    """The call's client in a process of its own, as an agent is: the sweep's probe load, run by this process,
+    shares no event loop with it (in one process a probe's streams delayed the call's reads). It appends each
+    turn's end (this machine's monotonic clock) and first content to a file; the key goes on its stdin."""
+
+    def __init__(self, url: str, key: str, ca_file: Path, out: Path) -> None:
+        self.out = out
+        argv = [sys.executable, __file__, "--talker", url, str(ca_file), str(out)]
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        assert self.process.stdin is not None
+        self.process.stdin.write(key + "\n")
+        self.process.stdin.flush()
+
+    def finish(self) -> tuple[list[tuple[float, float]], int]:
+        """Stop it: (turns, failed)."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(60)
+        turns, failed = [], 0
+        for line in self.out.read_text().splitlines():
+            when, ms = line.split()
+            if ms == "failed":
+                failed += 1
+            else:
+                turns.append((float(when), float(ms)))
+        return turns, failed
+
+
+async def talker(url: str, ca_file: Path, out: Path) -> None:
+    """--talker: one call through the gateway until stdin closes."""
+    key = sys.stdin.readline().strip()
+    talk = Talk(Server(url, key, ssl.create_default_context(cafile=str(ca_file))), 1)
+    talk.start()
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # returns when the parent closes it
+    await talk.finish()
+    lines = [f"{t} {ms}" for t, ms in talk.turns] + [f"{time.monotonic()} failed" for _ in talk.failed]
+    out.write_text("\n".join(lines) + "\n")
+
+
 async def sweep_run(args: argparse.Namespace, tmp: Path) -> None:
     settings = settings_for(tmp, rotation={"drain_timeout_s": 3.0})
     settings = settings.model_copy(
@@ -146,57 +189,74 @@ async def sweep_run(args: argparse.Namespace, tmp: Path) -> None:
             ),
         }
     )
+    spans: list[tuple[str, float, float]] = []  # (window, start, end)
+    probed, left = 0, 0
     async with fleet_for(settings) as fleet:
         try:
             up = await fleet.up(UpRequest("tiny", "eu", count=2))
             assert len(up.ready) == 2, up.failures
             await gateway.start(fleet)
             key = await gateway.add_key(fleet, "soak")
-            talk = Talk(Server(f"https://localhost:{settings.gateway.port}", key, fleet.tls), 1)
-            talk.start()
-            windows: dict[str, list[float]] = {"free": [], "sweep": [], "beside": []}
-            spent = {name: 0.0 for name in windows}  # seconds each kind of window lasted
-            probed, left = 0, 0
-            await asyncio.sleep(3)  # the call's first turns: its host's cache warm
-            if args.apart:
-                await set_apart(fleet, tmp / "cloud")
-            for r in range(args.rounds):
-                start = time.monotonic()
-                await asyncio.sleep(args.window_s)
-                windows["free"] += [ms for t, ms in talk.turns if t > start]
-                spent["free"] += time.monotonic() - start
-                start = time.monotonic()
-                reports = await thermal.thermal_sweep(fleet)
-                windows["sweep"] += [ms for t, ms in talk.turns if t > start]
-                spent["sweep"] += time.monotonic() - start
-                probed += sum(1 for r in reports if not r.reason.startswith(thermal.LEFT))
-                left += sum(1 for r in reports if r.reason.startswith(thermal.LEFT))
-                # what the sweep did before issue 38: the same probe on the host that carries the call
-                start = time.monotonic()
-                for live in [r.name for r in reports if r.reason.startswith(thermal.LEFT)]:
-                    await fleet.probe(live, only=["thermal"])
-                windows["beside"] += [ms for t, ms in talk.turns if t > start]
-                spent["beside"] += time.monotonic() - start
-                print(f"round {r + 1}: {len(reports)} hosts swept, {probed} probed so far", file=sys.stderr)
-            await talk.finish()
+            url = f"https://localhost:{settings.gateway.port}"
+            talk = Talker(url, key, fleet.ca_file, tmp / "turns.txt")
+            try:
+                await asyncio.sleep(3)  # the call's first turns: its host's cache warm
+                if args.apart:
+                    await set_apart(fleet, tmp / "cloud")
+                    os.nice(19)  # this process runs the probes' clients, as the daemon does on a machine of its own
+                for r in range(args.rounds):
+                    start = time.monotonic()
+                    await asyncio.sleep(args.window_s)
+                    spans.append(("free", start, time.monotonic()))
+                    start = time.monotonic()
+                    reports = await thermal.thermal_sweep(fleet)
+                    spans.append(("sweep", start, time.monotonic()))
+                    probed += sum(1 for r in reports if not r.reason.startswith(thermal.LEFT))
+                    left += sum(1 for r in reports if r.reason.startswith(thermal.LEFT))
+                    # the hold alone: the call's host held from new calls, its call waited for, let go; no probe
+                    start = time.monotonic()
+                    for live in [r.name for r in reports if r.reason.startswith(thermal.LEFT)]:
+                        host = fleet.record.hosts(names=[live])[0]
+                        if await thermal.quiet(fleet, host) is None:
+                            await thermal.let_go(fleet, fleet.record.hosts(names=[live])[0])
+                    spans.append(("hold", start, time.monotonic()))
+                    # what the sweep did before issue 38: the same probe on the host that carries the call
+                    start = time.monotonic()
+                    for live in [r.name for r in reports if r.reason.startswith(thermal.LEFT)]:
+                        await fleet.probe(live, only=["thermal"])
+                    spans.append(("beside", start, time.monotonic()))
+                    print(f"round {r + 1}: {len(reports)} hosts swept, {probed} probed so far", file=sys.stderr)
+            finally:
+                turns, failed = talk.finish()
         finally:
             await gateway.stop(fleet)
             await fleet.destroy(None)
+    windows: dict[str, list[float]] = {"free": [], "sweep": [], "hold": [], "beside": []}
+    spent = {name: 0.0 for name in windows}  # seconds each kind of window lasted
+    for kind, start, end in spans:
+        windows[kind] += [ms for t, ms in turns if start < t <= end]
+        spent[kind] += end - start
     free, sweep, beside = windows["free"], windows["sweep"], windows["beside"]
-    print(f"\none call talking without pause through the gateway, two tiny hosts; {args.rounds} rounds of a")
-    print(f"{args.window_s:g} s window with no housekeeping, a thermal sweep (fleet's: the idle host probed, the")
+    print(f"\none call talking without pause through the gateway (a process of its own), two tiny hosts; "
+          f"{args.rounds} rounds")  # fmt: skip
+    print(f"of a {args.window_s:g} s window with no housekeeping, a thermal sweep (fleet's: the idle host probed, the")
     print("call's host held and left), then the same probe run on the call's host (what sweeps did before);")
-    shared = "the hosts without the call at nice 19 (--apart)" if args.apart else "shared by both hosts"
+    shared = "the hosts without the call and the probes' clients at nice 19 (--apart)" if args.apart else "shared"
     print(f"{os.cpu_count()} cores here, {shared}\n")
     print("| window | turns | the call's turns a second | first content p50 | p95 | max |")
     print("|---|---:|---:|---:|---:|---:|")
-    rows = (("no housekeeping", "free"), ("thermal sweep", "sweep"), ("probe beside the call", "beside"))
+    rows = (
+        ("no housekeeping", "free"),
+        ("thermal sweep", "sweep"),
+        ("the call's host held, no probe", "hold"),
+        ("probe beside the call", "beside"),
+    )
     for name, kind in rows:
         values = windows[kind]
         print(f"| {name} | {len(values)} | {len(values) / spent[kind]:.1f} | {statistics.median(values):.1f} ms "
               f"| {pct(values, 0.95):.1f} ms | {max(values):.1f} ms |")  # fmt: skip
     print(f"\nhosts probed: {probed}; hosts left for a later sweep (they carried the call): {left}; "
-          f"failed turns: {len(talk.failed)}")  # fmt: skip
+          f"failed turns: {failed}")  # fmt: skip
     print(f"first content p95 during sweeps / without: {pct(sweep, 0.95) / pct(free, 0.95):.3f} (target <= 1.10); "
           f"with the probe beside the call / without: {pct(beside, 0.95) / pct(free, 0.95):.3f}")  # fmt: skip
 
@@ -356,7 +416,11 @@ if __name__ == "__main__":
         action="store_true",
         help="--sweep: hosts without the call at the lowest CPU priority (no shared cores)",
     )
+    parser.add_argument("--talker", nargs=3, metavar=("URL", "CA_FILE", "OUT"), help=argparse.SUPPRESS)
     parsed = parser.parse_args()
+    if parsed.talker:
+        asyncio.run(talker(parsed.talker[0], Path(parsed.talker[1]), Path(parsed.talker[2])))
+        sys.exit(0)
     for flag, value in (("--minutes", parsed.minutes), ("--sample-s", parsed.sample_s), ("--calls", parsed.calls),
                         ("--rounds", parsed.rounds), ("--window-s", parsed.window_s)):  # fmt: skip
         if value <= 0:
