@@ -54,7 +54,7 @@ from fleet.gateway.runtime import Runtime
 from fleet.localcloud import control
 from fleet.localcloud.network import free_port
 from fleet.probes.server import Server
-from fleet.probes.stream import Connection
+from fleet.probes.stream import Connection, StreamError
 from tests.fleetkit import fleet_for, settings_for, without_shipped_serve, write_config
 
 # the run's schedules against the defaults (fleet.toml): health 60 s -> 5 s, reconcile 600 s -> 10 s
@@ -111,7 +111,13 @@ class Talk:
             i = 0
             while not self.stop.is_set():
                 history = [*history[-6:], {"role": "user", "content": f"{name}, turn {i}: and then?"}]
-                result = await connection.chat({"messages": history, "max_tokens": 8, "user": name})
+                try:
+                    result = await connection.chat({"messages": history, "max_tokens": 8, "user": name})
+                except (StreamError, OSError, asyncio.IncompleteReadError) as e:  # cut mid-reply: a failed turn
+                    self.failed.append(f"{name} turn {i}: {type(e).__name__}: {e}")
+                    await connection.close()
+                    await asyncio.sleep(0.5)
+                    continue
                 if result.status != 200 or result.timing.first_content_ms is None:
                     self.failed.append(f"{name} turn {i}: {result.status} {result.error}")
                     await asyncio.sleep(0.5)
@@ -156,7 +162,12 @@ class Talker:
         """Stop it: (turns, failed)."""
         assert self.process.stdin is not None
         self.process.stdin.close()
-        self.process.wait(60)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise
         turns, failed = [], 0
         for line in self.out.read_text().splitlines():
             when, ms = line.split()
@@ -253,12 +264,17 @@ async def sweep_run(args: argparse.Namespace, tmp: Path) -> None:
     )
     for name, kind in rows:
         values = windows[kind]
+        if not values:
+            print(f"| {name} | 0 | - | - | - | - |")
+            continue
         print(f"| {name} | {len(values)} | {len(values) / spent[kind]:.1f} | {statistics.median(values):.1f} ms "
               f"| {pct(values, 0.95):.1f} ms | {max(values):.1f} ms |")  # fmt: skip
     print(f"\nhosts probed: {probed}; hosts left for a later sweep (they carried the call): {left}; "
           f"failed turns: {failed}")  # fmt: skip
-    print(f"first content p95 during sweeps / without: {pct(sweep, 0.95) / pct(free, 0.95):.3f} (target <= 1.10); "
-          f"with the probe beside the call / without: {pct(beside, 0.95) / pct(free, 0.95):.3f}")  # fmt: skip
+    if free and sweep and beside:
+        base = pct(free, 0.95)
+        print(f"first content p95 during sweeps / without: {pct(sweep, 0.95) / base:.3f} (target <= 1.10); "
+              f"with the probe beside the call / without: {pct(beside, 0.95) / base:.3f}")  # fmt: skip
 
 
 # ---- --soak ----------------------------------------------------------------------------------------------
@@ -356,7 +372,11 @@ async def soak_run(args: argparse.Namespace, tmp: Path) -> None:
         if talk is not None and not talk.stop.is_set():
             await talk.finish()
         daemon.send_signal(signal.SIGTERM)
-        daemon.wait(120)
+        try:
+            daemon.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
         log.close()
         subprocess.run([sys.executable, "-m", "fleet.cli", "gateway", "stop"], env=env, capture_output=True)
         subprocess.run([sys.executable, "-m", "fleet.cli", "destroy", "--all", "--yes"], env=env, capture_output=True)

@@ -94,6 +94,30 @@ def test_usage_errors_under_json_are_one_json_error_and_exit_2(env, cloud, tmp_p
     assert cloud.state()["instances"] == {}
 
 
+def test_a_declined_confirmation_under_json_is_one_json_error_and_destroys_nothing(env, cloud):
+    """`destroy --all --json` asked on a terminal and answered no: `{"error": "aborted"}`, exit 1, nothing
+    touched (under --json typer's Abort would otherwise end the command without a word)."""
+    import os
+    import pty
+
+    up = fleet(env, "up", "--model", "tiny", "--region", "eu", "--json")
+    assert up.returncode == 0, up.stderr
+    main, terminal = pty.openpty()
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-m", "fleet.cli", "destroy", "--all", "--json"],
+            env=env, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        ) as asked:  # fmt: skip
+            os.write(main, b"n\n")
+            out, _ = asked.communicate(timeout=120)
+    finally:
+        os.close(main)
+        os.close(terminal)
+    assert asked.returncode == 1 and json.loads(out.strip().splitlines()[-1]) == {"error": "aborted"}
+    assert [h["state"] for h in json.loads(fleet(env, "status", "--json").stdout)] == ["ready"]
+    assert fleet(env, "destroy", "--all", "--yes", "--json").returncode == 0
+
+
 def test_missing_config_file_exits_2(env, tmp_path):
     result = fleet({**env, "FLEET_CONFIG": str(tmp_path / "absent.toml")}, "status")
     assert result.returncode == 2 and "no such config file" in one_line_error(result)

@@ -184,11 +184,11 @@ def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
     liar = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
     liar.server_timings = {"predicted_per_second": 1000.0, "predicted_n": 64}
     liar.usage = {"completion_tokens": 10_000}  # more than asked for: counted as 64
-    liar.reads = 64  # its tokens arrived one read each
+    liar.arrivals = 64  # its tokens arrived one by one
     assert liar.decode_tok_s == pytest.approx(63 / 1.0 * DECODE_SLACK)
     honest = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
     honest.server_timings = {"predicted_per_second": 60.0, "predicted_n": 64}
-    honest.reads = 64
+    honest.arrivals = 64
     assert honest.decode_tok_s == 60.0
     level = summarize(2, [(1.0, [liar, honest])], one_caller_decode=None, reconnects=0)
     assert level.decode_per_caller_tok_s == pytest.approx((63 * DECODE_SLACK + 60) / 2)
@@ -196,18 +196,18 @@ def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
 
 def test_a_reply_that_arrived_in_a_burst_is_no_rate():
     """issue 37: a vLLM reply whose 1,000 tokens reached this client in one read (a busy machine) read as 171,739
-    tok/s, and the thermal probe's later samples then as a collapse. Tokens that came in fewer reads than one
-    per TOKENS_PER_READ are no rate; a server's own claim is then bounded by the reply's whole time."""
+    tok/s, and the thermal probe's later samples then as a collapse. Tokens that came in fewer arrivals than one
+    per TOKENS_PER_ARRIVAL are no rate; a server's own claim is then bounded by the reply's whole time."""
 
-    def reply(reads: int, claimed: float | None) -> ChatResult:
+    def reply(arrivals: int, claimed: float | None) -> ChatResult:
         r = ChatResult(status=200, timing=Timing(None, 1.0, 2000.0, 2005.8, True), max_tokens=1000)
         r.usage = {"completion_tokens": 1000}
         r.server_timings = {"predicted_per_second": claimed, "predicted_n": 1000} if claimed else {}
-        r.reads = reads
+        r.arrivals = arrivals
         return r
 
     assert reply(1, None).delivered_tok_s is None and reply(1, None).decode_tok_s is None
-    assert reply(62, None).decode_tok_s is None  # 63 reads at least for 1,000 tokens
-    assert reply(63, None).decode_tok_s == pytest.approx(999 / 0.0058)  # spread reads: what arrived is the rate
+    assert reply(62, None).decode_tok_s is None  # 63 arrivals at least for 1,000 tokens
+    assert reply(63, None).decode_tok_s == pytest.approx(999 / 0.0058)  # spread arrivals: what arrived is the rate
     assert reply(1, 600.0).decode_tok_s == 600.0  # within the whole time's bound (999 / 2.0058 s x 2)
     assert reply(1, 5000.0).decode_tok_s == pytest.approx(999 / 2.0058 * DECODE_SLACK)

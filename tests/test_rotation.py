@@ -14,6 +14,8 @@ import pytest
 from fleet.control import rotation, thermal
 from fleet.control.up import UpRequest
 from fleet.core.models import Host, HostState, utcnow
+from fleet.host.ops import parse_memory
+from fleet.host.remote import RemoteError
 from tests.fleetkit import fleet_for, settings_for
 from tests.helpers import kill_llama_server, listed_instances, sag_after_first_reply, sag_was_set
 
@@ -233,6 +235,27 @@ async def test_a_health_sweep_records_each_hosts_memory_and_the_server_runs_with
             await fleet.destroy(None)
 
 
+def test_a_hosts_memory_read_is_believed_only_as_proc_writes_it():
+    """What a host prints for its memory is a stranger's: a digit Python reads as one but int() refuses, a
+    5,000-digit number, more available than the total, an unasked line: each refused as one RemoteError (the
+    sweep records the memory as unknown), never an exception that ends the sweep for every host."""
+    good = parse_memory("MemTotal:       24576000 kB\nMemAvailable:   12288000 kB\nVmRSS:\t  512000 kB\n")
+    assert (good.total_mib, good.available_mib, good.server_rss_mib) == (24000.0, 12000.0, 500.0)
+    assert parse_memory("MemTotal: 2048 kB\nMemAvailable: 1024 kB\n").server_rss_mib is None  # no server
+    for lie in (
+        "MemTotal: \u00b2 kB\nMemAvailable: 1 kB",
+        "MemTotal: " + "9" * 5000 + " kB\nMemAvailable: 1 kB",
+        "MemTotal: 1024 kB\nMemAvailable: 2048 kB",
+        "MemTotal: 1024 kB\nMemAvailable: 512 kB\nVmRSS: 4096 kB",
+        "MemTotal: 1024 kB\nMemAvailable: 512 kB\nSwapTotal: 1 kB",
+        "MemTotal: 1024 MB\nMemAvailable: 512 kB",
+        "MemTotal: 1024 kB\nMemTotal: 1024 kB\nMemAvailable: 512 kB",
+        "MemAvailable: 512 kB",
+    ):
+        with pytest.raises(RemoteError):
+            parse_memory(lie)
+
+
 async def test_a_vanished_host_is_replaced_at_once(cloud, tmp_path):
     async with fleet_for(settings_fast(tmp_path)) as fleet:
         old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
@@ -302,3 +325,18 @@ async def test_a_host_failing_its_thermal_reprobe_is_replaced_and_blacklisted(cl
         new = fleet.record.hosts(names=[report.replaced_by])[0]
         assert new.state == HostState.READY and new.machine_id != machine
         await fleet.destroy(None)
+
+
+async def test_a_host_the_thermal_probe_cannot_measure_ends_no_sweep(cloud, tmp_path):
+    """A host whose probe finds no verdict (its server gone: the probe cannot measure) is reported unprobed, not
+    replaced by the thermal sweep (the health sweep judges it), and the sweep goes on to probe the next host."""
+    async with fleet_for(settings_fast(tmp_path)) as fleet:
+        dead, other = (await fleet.up(UpRequest("tiny", "eu", count=2))).ready
+        try:
+            await kill_llama_server(dead.ssh_host, dead.ssh_port, fleet.ssh_key.private)
+            reports = {r.name: r for r in await thermal.thermal_sweep(fleet)}
+            assert reports[dead.name].reason.startswith(thermal.NOT_PROBED) and reports[dead.name].replaced_by is None
+            assert [r.name for r in fleet.record.probe_runs(other.id) if r.name == "thermal"] == ["thermal"]
+            assert fleet.record.blacklist() == []
+        finally:
+            await fleet.destroy(None)

@@ -54,7 +54,8 @@ def main() -> None:
         code = app(standalone_mode=False)
     except Exit as e:
         sys.exit(e.exit_code)
-    except Abort:
+    except Abort:  # a confirmation declined, or no input left to answer it
+        print(json.dumps({"error": "aborted"}))
         sys.exit(1)
     except TyperException as e:  # click's errors: a usage error exits 2
         message = e.format_message() if hasattr(e, "format_message") else str(e)

@@ -237,7 +237,7 @@ def destroy_cmd(
     if all_hosts and not yes:
         if not sys.stdin.isatty():
             fail("refusing to destroy every host without --yes", 2)
-        typer.confirm("Destroy every live host?", abort=True)
+        typer.confirm("Destroy every live host?", abort=True, err=True)  # stdout stays the answer's
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:

@@ -16,10 +16,12 @@ from fleet.core.models import Host, HostState, utcnow
 from fleet.economics.capacity import calls_held
 from fleet.host import measure
 from fleet.host.endpoints import publish
+from fleet.host.phase import PhaseFailed
 from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import drain, requests_now
 
 LEFT = "carried calls: left for a later sweep"
+NOT_PROBED = "not probed"
 
 
 async def thermal_sweep(ctx: Context) -> list[HealthReport]:
@@ -37,6 +39,9 @@ async def thermal_sweep(ctx: Context) -> list[HealthReport]:
             healthy, reason = result.passed, result.diagnosis
         except HostKeyMismatch as e:
             healthy, reason = False, f"host key changed: {e}"
+        except PhaseFailed as e:  # no verdict (the probe could not measure): the health sweep judges the host
+            reports.append(HealthReport(host.name, True, f"{NOT_PROBED}: {e.reason}", 0))
+            continue
         finally:
             await let_go(ctx, host)
         report = HealthReport(host.name, healthy, reason, 0 if healthy else 1)

@@ -8,6 +8,7 @@ step that fails raises PhaseFailed with the phase and why.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -22,6 +23,11 @@ from fleet.host import hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
 from fleet.probes.server import Server
+
+# What a host's script may print as a number: ASCII digits, as many as a byte count or /proc's kB take
+# ("²".isdigit() is true, and int() of 5,000 digits raises)
+COUNT = re.compile(r"[0-9]{1,20}")
+KIB = re.compile(r"[0-9]{1,13}")  # up to ~9 EB in kB: more than any machine holds
 
 # How many times one file's pull may be given a fresh signed URL: each time only after the last one moved
 # bytes (a pull that outlives its URL resumes where it was; one that never moves fails).
@@ -98,7 +104,7 @@ class _FilePull:
         if not line.startswith("progress "):
             return
         words = line.split()
-        if len(line) > 80 or len(words) != 2 or not words[1].isdigit():
+        if len(line) > 80 or len(words) != 2 or not COUNT.fullmatch(words[1]):
             # the host's script says what no fleet-pull says: this machine is not to be believed
             raise PhaseFailed("pull", f"fleet-pull's progress is garbage: {line[:80]!r}")
         done = int(words[1])
@@ -224,13 +230,26 @@ async def read_memory(conn: asyncssh.SSHClientConnection, profile: Profile, time
     """The host's RAM and its server's resident set. What the host prints is a stranger's: only the three
     lines asked for are read, each a finite number of kB, or RemoteError."""
     result = await run(conn, ["sh", "-c", _MEMORY, "sh", f"{RUN_DIR}/{serving.pid_file(profile)}"], timeout_s=timeout_s)
+    return parse_memory(str(result.stdout or ""))
+
+
+def parse_memory(text: str) -> HostMemory:
+    """_MEMORY's output, strictly: RemoteError for anything else."""
     found: dict[str, float] = {}
-    for line in str(result.stdout or "").splitlines():
+    for line in text.splitlines():
         name, _, value = line.partition(":")
         number, _, unit = value.strip().partition(" ")
-        if name not in ("MemTotal", "MemAvailable", "VmRSS") or name in found or unit != "kB" or not number.isdigit():
+        if (
+            name not in ("MemTotal", "MemAvailable", "VmRSS")
+            or name in found
+            or unit != "kB"
+            or not KIB.fullmatch(number)
+        ):
             raise RemoteError(f"the host's memory read is not /proc's: {line[:80]!r}")
         found[name] = int(number) / 1024
     if "MemTotal" not in found or "MemAvailable" not in found:
         raise RemoteError("the host's /proc/meminfo names no MemTotal or MemAvailable")
-    return HostMemory(found["MemTotal"], found["MemAvailable"], found.get("VmRSS"))
+    total = found["MemTotal"]
+    if found["MemAvailable"] > total or found.get("VmRSS", 0) > total:
+        raise RemoteError("the host's memory read holds more than its total")
+    return HostMemory(total, found["MemAvailable"], found.get("VmRSS"))

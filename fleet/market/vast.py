@@ -364,5 +364,5 @@ def search_filters(query: OfferQuery) -> dict[str, Any]:
     if query.cpu_arch:
         found["cpu_arch"] = {"eq": query.cpu_arch}
     if query.min_cpu_ram_gb:
-        found["cpu_ram"] = {"gte": round(query.min_cpu_ram_gb * 1000)}  # MB, as the offers list it
+        found["cpu_ram"] = {"gte": math.ceil(query.min_cpu_ram_gb * 1000)}  # MB, as the offers list it
     return found

@@ -27,10 +27,13 @@ from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
 DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
-# A rate this client measures needs its tokens spread over time: at least one read of the socket for every
-# TOKENS_PER_READ tokens. A reply that reached it in a few reads (a server, a proxy or this busy machine that
-# held them back) says nothing of how fast they were decoded: 1,000 tokens in one read once read as 171,739 tok/s.
-TOKENS_PER_READ = 16
+# A rate this client measures needs its tokens spread over time: at least one arrival for every
+# TOKENS_PER_ARRIVAL tokens, an arrival being an event that reached this client ARRIVAL_GAP_S or more after the
+# one before (events parsed from bytes already buffered come microseconds apart). A reply that arrived in a few
+# (a server, a proxy or this busy machine held it back) says nothing of how fast it was decoded: 1,000 tokens
+# at once once read as 171,739 tok/s.
+TOKENS_PER_ARRIVAL = 16
+ARRIVAL_GAP_S = 0.0005
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -90,7 +93,7 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
     server_timings: dict[str, Any] = field(default_factory=dict)
     events: int = 0
-    reads: int = 0  # the socket reads that brought events: how spread over time the reply arrived
+    arrivals: int = 0  # events that came ARRIVAL_GAP_S or more after the one before: how spread the reply came
     error: str | None = None
     server_closed: bool = False  # the server closed the connection after this response
     max_tokens: int | None = None  # what the request asked for: no reply holds more
@@ -111,12 +114,12 @@ class ChatResult:
     def delivered_tok_s(self) -> float | None:
         """What arrived here: the tokens after the first, over this clock's time from the first event (the first
         token, whether or not it was text yet: vLLM holds back bytes that do not decode yet) to the end; None
-        when that says nothing, as when the reply came in a burst (TOKENS_PER_READ)."""
+        when that says nothing, as when the reply came in a burst (TOKENS_PER_ARRIVAL)."""
         tokens = self._tokens()
         first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
             return None
-        if self.reads < max(2, min(tokens, math.ceil(tokens / TOKENS_PER_READ))):
+        if self.arrivals < max(2, min(tokens, math.ceil(tokens / TOKENS_PER_ARRIVAL))):
             return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
 
@@ -239,14 +242,15 @@ class Connection:
                 await self.close()
                 result.server_closed = True
             return result
+        last_event = 0.0
         async for chunk in self._body(headers):
-            read_events = False
             for data in parser.feed(chunk):
                 if data == "[DONE]":
                     continue
-                if not read_events:
-                    read_events = True
-                    result.reads += 1
+                now = time.perf_counter()
+                if now - last_event >= ARRIVAL_GAP_S:
+                    result.arrivals += 1
+                last_event = now
                 if result.timing.first_event_ms is None:
                     result.timing.first_event_ms = (time.perf_counter() - started) * 1000
                 result.events += 1
