@@ -156,7 +156,7 @@ def status(hosts: list[dict[str, Any]]) -> None:
         "cost $",
         "calls (speakers)",
         "$/voice-min",
-        "RAM free (server) GiB",
+        "RAM GiB free (srv)",
         "contract ends",
         "endpoint",
     )
