@@ -19,7 +19,7 @@ cores, so the idle host's probe load and the probe's clients (the daemon's, in t
 call's host would use: `--apart` gives the hosts without the call and this process the lowest CPU priority,
 as if each had a machine of its own.
 
-Usage: .venv/bin/python bench/soak.py [--minutes 20] [--sample-s 15] [--calls 2]
+Usage: .venv/bin/python bench/soak.py [--minutes 20] [--sample-s 15] [--calls 2] [--cache-ram-mib N]
        .venv/bin/python bench/soak.py --sweep [--rounds 4] [--window-s 8] [--apart]
 """
 
@@ -280,8 +280,10 @@ async def sweep_run(args: argparse.Namespace, tmp: Path) -> None:
 # ---- --soak ----------------------------------------------------------------------------------------------
 
 
-def soak_config(tmp: Path, calls: int) -> dict[str, str]:
+def soak_config(tmp: Path, calls: int, cache_ram_mib: int | None) -> dict[str, str]:
     text = without_shipped_serve(write_config(tmp).read_text())
+    if cache_ram_mib is not None:
+        text = text.replace("[models.tiny]\n", f"[models.tiny]\ncache_ram_mib = {cache_ram_mib}\n", 1)
     text = text.replace("[rotation]\n", "[rotation-defaults]\n", 1)
     text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :]
     text += SCHEDULES + f'endpoints_file = "{tmp}/endpoints.json"\n'
@@ -335,7 +337,7 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
 
 
 async def soak_run(args: argparse.Namespace, tmp: Path) -> None:
-    env = soak_config(tmp, args.calls)
+    env = soak_config(tmp, args.calls, args.cache_ram_mib)
     env["FLEET_LOCALCLOUD_DIR"] = str(tmp / "cloud")
     db, cloud_dir = tmp / "fleet.db", tmp / "cloud"
     log = (tmp / "daemon.log").open("w")
@@ -363,8 +365,13 @@ async def soak_run(args: argparse.Namespace, tmp: Path) -> None:
             talk = Talk(server, args.calls)
             talk.start()
             started = time.monotonic()
+            turns_before, at_before = 0, 0.0
             while (elapsed := time.monotonic() - started) < args.minutes * 60:
-                samples.append((elapsed, sample(db, cloud_dir, daemon.pid, haproxy)))
+                found = sample(db, cloud_dir, daemon.pid, haproxy)
+                done = len(talk.turns)  # the calls' turns a minute since the last sample
+                found["the calls' turns a minute"] = (done - turns_before) / max(elapsed - at_before, 1e-9) * 60
+                turns_before, at_before = done, elapsed
+                samples.append((elapsed, found))
                 print(f"{elapsed / 60:5.1f} min: {len(talk.turns)} turns, {len(talk.failed)} failed", file=sys.stderr)
                 await asyncio.sleep(args.sample_s)
             await talk.finish()
@@ -385,7 +392,9 @@ async def soak_run(args: argparse.Namespace, tmp: Path) -> None:
 
 def report_soak(args: argparse.Namespace, samples: list[tuple[float, dict]], talk: Talk | None, log: str) -> None:
     kept = samples[len(samples) // 3 :]
-    print(f"\n{args.minutes:g} minutes, schedules {COMPRESSION}x the defaults' rate, {args.calls} calls talking")
+    ram = "its profile's" if args.cache_ram_mib is None else f"{args.cache_ram_mib} MiB"
+    print(f"\n{args.minutes:g} minutes, schedules {COMPRESSION}x the defaults' rate, {args.calls} calls talking, "
+          f"llama-server's RAM prompt cache {ram}")  # fmt: skip
     print(f"without pause through the gateway; a sample every {args.sample_s:g} s, the first third warm-up\n")
     print("| what | after warm-up | at the end | growth per hour of the run | per day at the default schedules |")
     print("|---|---:|---:|---:|---:|")
@@ -396,7 +405,8 @@ def report_soak(args: argparse.Namespace, samples: list[tuple[float, dict]], tal
             continue
         hourly = slope_per_hour(points)
         # what the calls drive (a server's prompt cache) grows with them, not with housekeeping's schedules
-        daily = "(calls, not schedules)" if name.startswith("llama-server") else f"{hourly * 24 / COMPRESSION:+.1f}"
+        by_calls = name.startswith("llama-server") or name.startswith("the calls")
+        daily = "(calls, not schedules)" if by_calls else f"{hourly * 24 / COMPRESSION:+.1f}"
         print(f"| {name} | {points[0][1]:.1f} | {points[-1][1]:.1f} | {hourly:+.1f} | {daily} |")
     turns = len(talk.turns) if talk else 0
     failed = talk.failed if talk else []
@@ -436,6 +446,7 @@ if __name__ == "__main__":
         action="store_true",
         help="--sweep: hosts without the call at the lowest CPU priority (no shared cores)",
     )
+    parser.add_argument("--cache-ram-mib", type=int, help="the tiny profile's cache_ram_mib (default: its own)")
     parser.add_argument("--talker", nargs=3, metavar=("URL", "CA_FILE", "OUT"), help=argparse.SUPPRESS)
     parsed = parser.parse_args()
     if parsed.talker:
