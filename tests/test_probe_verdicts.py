@@ -10,7 +10,7 @@ from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
 from fleet.probes.keepalive import judge_keepalive
 from fleet.probes.renderings import Glue, PrefixBreak
-from fleet.probes.stream import DECODE_SLACK, ChatResult, Connection, SseParser, Timing
+from fleet.probes.stream import DECODE_SLACK, MAX_STREAM_TOK_S, ChatResult, Connection, SseParser, Timing
 from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvidia-smi-h200" / "query-gpu-csv.txt"
@@ -184,30 +184,29 @@ def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
     liar = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
     liar.server_timings = {"predicted_per_second": 1000.0, "predicted_n": 64}
     liar.usage = {"completion_tokens": 10_000}  # more than asked for: counted as 64
-    liar.arrivals = 64  # its tokens arrived one by one
     assert liar.decode_tok_s == pytest.approx(63 / 1.0 * DECODE_SLACK)
     honest = ChatResult(status=200, timing=Timing(None, 1.0, 100.0, 1100.0, True), max_tokens=64)
     honest.server_timings = {"predicted_per_second": 60.0, "predicted_n": 64}
-    honest.arrivals = 64
     assert honest.decode_tok_s == 60.0
     level = summarize(2, [(1.0, [liar, honest])], one_caller_decode=None, reconnects=0)
     assert level.decode_per_caller_tok_s == pytest.approx((63 * DECODE_SLACK + 60) / 2)
 
 
 def test_a_reply_that_arrived_in_a_burst_is_no_rate():
-    """issue 37: a vLLM reply whose 1,000 tokens reached this client in one read (a busy machine) read as 171,739
-    tok/s, and the thermal probe's later samples then as a collapse. Tokens that came in fewer arrivals than one
-    per TOKENS_PER_ARRIVAL are no rate; a server's own claim is then bounded by the reply's whole time."""
+    """issue 37: a vLLM reply whose 1,000 tokens reached this client at once (a busy machine) read as 171,739
+    tok/s, and the thermal probe's later samples then as a collapse. Tokens that arrived faster than any stream
+    decodes (MAX_STREAM_TOK_S) are no rate; a server's own claim is then bounded by the reply's whole time."""
 
-    def reply(arrivals: int, claimed: float | None) -> ChatResult:
-        r = ChatResult(status=200, timing=Timing(None, 1.0, 2000.0, 2005.8, True), max_tokens=1000)
+    def reply(total_ms: float, claimed: float | None) -> ChatResult:
+        r = ChatResult(status=200, timing=Timing(None, 1.0, 2000.0, total_ms, True), max_tokens=1000)
         r.usage = {"completion_tokens": 1000}
         r.server_timings = {"predicted_per_second": claimed, "predicted_n": 1000} if claimed else {}
-        r.arrivals = arrivals
         return r
 
-    assert reply(1, None).delivered_tok_s is None and reply(1, None).decode_tok_s is None
-    assert reply(62, None).decode_tok_s is None  # 63 arrivals at least for 1,000 tokens
-    assert reply(63, None).decode_tok_s == pytest.approx(999 / 0.0058)  # spread arrivals: what arrived is the rate
-    assert reply(1, 600.0).decode_tok_s == 600.0  # within the whole time's bound (999 / 2.0058 s x 2)
-    assert reply(1, 5000.0).decode_tok_s == pytest.approx(999 / 2.0058 * DECODE_SLACK)
+    burst, spread = 2005.8, 2100.0  # the 999 tokens after the first in 5.8 ms, or in 100 ms
+    assert reply(burst, None).delivered_tok_s is None and reply(burst, None).decode_tok_s is None
+    assert reply(spread, None).decode_tok_s == pytest.approx(999 / 0.1)  # what arrived is the rate
+    assert reply(2000.0 + 999 / MAX_STREAM_TOK_S * 1000 * 1.001, None).decode_tok_s < MAX_STREAM_TOK_S  # just under
+    assert reply(burst, 600.0).decode_tok_s == 600.0  # within the whole time's bound (999 / 2.0058 s x 2)
+    assert reply(burst, 5000.0).decode_tok_s == pytest.approx(999 / 2.0058 * DECODE_SLACK)
+    assert reply(spread, 5000.0).decode_tok_s == 5000.0  # spread: bounded by what arrived (x 2), not the whole time

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -27,13 +26,10 @@ from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
 DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
-# A rate this client measures needs its tokens spread over time: at least one arrival for every
-# TOKENS_PER_ARRIVAL tokens, an arrival being an event that reached this client ARRIVAL_GAP_S or more after the
-# one before (events parsed from bytes already buffered come microseconds apart). A reply that arrived in a few
-# (a server, a proxy or this busy machine held it back) says nothing of how fast it was decoded: 1,000 tokens
-# at once once read as 171,739 tok/s.
-TOKENS_PER_ARRIVAL = 16
-ARRIVAL_GAP_S = 0.0005
+# No one stream decodes faster than this: a reply that reached this client faster was held back and sent at once
+# (by a server, a proxy, or this busy machine), which says nothing of how fast it was decoded. 1,000 tokens
+# at once once read as 171,739 tok/s; llama.cpp's fastest single streams are a few thousand.
+MAX_STREAM_TOK_S = 20_000.0
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -93,7 +89,6 @@ class ChatResult:
     usage: dict[str, Any] = field(default_factory=dict)
     server_timings: dict[str, Any] = field(default_factory=dict)
     events: int = 0
-    arrivals: int = 0  # events that came ARRIVAL_GAP_S or more after the one before: how spread the reply came
     error: str | None = None
     server_closed: bool = False  # the server closed the connection after this response
     max_tokens: int | None = None  # what the request asked for: no reply holds more
@@ -110,18 +105,22 @@ class ChatResult:
             tokens = self.served.predicted_n
         return min(tokens, self.max_tokens) if self.max_tokens is not None else tokens
 
-    @property
-    def delivered_tok_s(self) -> float | None:
-        """What arrived here: the tokens after the first, over this clock's time from the first event (the first
-        token, whether or not it was text yet: vLLM holds back bytes that do not decode yet) to the end; None
-        when that says nothing, as when the reply came in a burst (TOKENS_PER_ARRIVAL)."""
+    def _arrival_tok_s(self) -> float | None:
+        """The tokens after the first over this clock's time from the first event (the first token, whether or
+        not it was text yet: vLLM holds back bytes that do not decode yet) to the end; None when that says
+        nothing."""
         tokens = self._tokens()
         first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
             return None
-        if self.arrivals < max(2, min(tokens, math.ceil(tokens / TOKENS_PER_ARRIVAL))):
-            return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
+
+    @property
+    def delivered_tok_s(self) -> float | None:
+        """What arrived here, as a rate; None when that says nothing, as when the reply came in a burst (faster
+        than MAX_STREAM_TOK_S)."""
+        rate = self._arrival_tok_s()
+        return rate if rate is not None and rate <= MAX_STREAM_TOK_S else None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -129,15 +128,15 @@ class ChatResult:
         slack covers this client's own lag on a busy machine): a host cannot flatter its decode much past what
         it delivered. A reply that came in a burst bounds the claim by its whole time instead, prefill and
         queueing in it. A server that states no rate (vLLM) is measured by what arrived, and a burst gives none."""
-        claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
+        claimed, arrived = self.served.predicted_per_second, self._arrival_tok_s()
         if claimed is None:
-            return delivered
-        if delivered is not None:
-            return min(claimed, delivered * DECODE_SLACK)
-        tokens = self._tokens()
-        if tokens < 2 or self.timing.total_ms <= 0:
+            return self.delivered_tok_s
+        if arrived is None:
             return claimed
-        return min(claimed, (tokens - 1) / (self.timing.total_ms / 1000) * DECODE_SLACK)
+        if arrived <= MAX_STREAM_TOK_S:
+            return min(claimed, arrived * DECODE_SLACK)
+        whole = (self._tokens() - 1) / (self.timing.total_ms / 1000)
+        return min(claimed, whole * DECODE_SLACK)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""
@@ -242,15 +241,10 @@ class Connection:
                 await self.close()
                 result.server_closed = True
             return result
-        last_event = 0.0
         async for chunk in self._body(headers):
             for data in parser.feed(chunk):
                 if data == "[DONE]":
                     continue
-                now = time.perf_counter()
-                if now - last_event >= ARRIVAL_GAP_S:
-                    result.arrivals += 1
-                last_event = now
                 if result.timing.first_event_ms is None:
                     result.timing.first_event_ms = (time.perf_counter() - started) * 1000
                 result.events += 1
