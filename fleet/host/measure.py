@@ -157,9 +157,9 @@ async def host_memory(ctx: Context, host: Host, timeout_s: float) -> HostMemory 
     """The host's RAM and its server's resident set over its pinned SSH session, within `timeout_s`; None when
     it could not be read (the health check decides about the host). A host presenting an SSH key other than the
     pinned one raises HostKeyMismatch."""
-    if not (host.ssh_host and host.ssh_port):
-        return None
-    profile = ctx.settings.profile(host.model)
+    if not (host.ssh_host and host.ssh_port) or host.model not in ctx.settings.models:
+        return None  # (a profile gone from fleet.toml: the server's files are unknown)
+    profile = ctx.settings.models[host.model]
     try:
         async with asyncio.timeout(timeout_s):
             ssh, _ = await connect(host.ssh_host, host.ssh_port, ctx.ssh_key, host.host_key, timeout_s)
