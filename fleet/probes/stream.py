@@ -26,10 +26,6 @@ from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
 DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
-# No one stream decodes faster than this: a reply that reached this client faster was held back and sent at once
-# (by a server, a proxy, or this busy machine), which says nothing of how fast it was decoded. 1,000 tokens
-# at once once read as 171,739 tok/s; llama.cpp's fastest single streams are a few thousand.
-MAX_STREAM_TOK_S = 20_000.0
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -98,45 +94,32 @@ class ChatResult:
         """What the server says of this reply: its `timings`, else its `usage` (fleet/engines/replies.py)."""
         return Timings.of(self.server_timings, self.usage)
 
-    def _tokens(self) -> int:
-        """The tokens the server counts for this reply, no more than were asked for."""
+    @property
+    def delivered_tok_s(self) -> float | None:
+        """What arrived here: the tokens the server counts (no more than were asked for) after the first, over
+        this clock's time from the first event (the first token, whether or not it was text yet: vLLM holds
+        back bytes that do not decode yet) to the end; None when that says nothing."""
         tokens = self.usage.get("completion_tokens") or self.served.predicted_n
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             tokens = self.served.predicted_n
-        return min(tokens, self.max_tokens) if self.max_tokens is not None else tokens
-
-    def _arrival_tok_s(self) -> float | None:
-        """The tokens after the first over this clock's time from the first event (the first token, whether or
-        not it was text yet: vLLM holds back bytes that do not decode yet) to the end; None when that says
-        nothing."""
-        tokens = self._tokens()
+        if self.max_tokens is not None:
+            tokens = min(tokens, self.max_tokens)
         first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
             return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
 
     @property
-    def delivered_tok_s(self) -> float | None:
-        """What arrived here, as a rate; None when that says nothing, as when the reply came in a burst (faster
-        than MAX_STREAM_TOK_S)."""
-        rate = self._arrival_tok_s()
-        return rate if rate is not None and rate <= MAX_STREAM_TOK_S else None
-
-    @property
     def decode_tok_s(self) -> float | None:
-        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here (the
-        slack covers this client's own lag on a busy machine): a host cannot flatter its decode much past what
-        it delivered. A reply that came in a burst bounds the claim by its whole time instead, prefill and
-        queueing in it. A server that states no rate (vLLM) is measured by what arrived, and a burst gives none."""
-        claimed, arrived = self.served.predicted_per_second, self._arrival_tok_s()
+        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here. A
+        host cannot flatter its decode much past what it delivered; the slack covers this client's own lag
+        on a busy machine. A server that states no rate (vLLM) is measured by what arrived."""
+        claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
         if claimed is None:
-            return self.delivered_tok_s
-        if arrived is None:
+            return delivered
+        if delivered is None:
             return claimed
-        if arrived <= MAX_STREAM_TOK_S:
-            return min(claimed, arrived * DECODE_SLACK)
-        whole = (self._tokens() - 1) / (self.timing.total_ms / 1000)
-        return min(claimed, whole * DECODE_SLACK)
+        return min(claimed, delivered * DECODE_SLACK)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""
