@@ -897,8 +897,13 @@ async def test_a_thermal_sweep_never_runs_its_load_beside_a_live_call(gw):
     the call's host is held from new calls (its door drains), and since its call goes on past the drain timeout it
     is left for a later sweep, never probed under the call, and let go (issue 38: live turns' first content rose
     from 23 ms to 244-398 ms under a re-probe)."""
+    # The verdict is not what this test is about: at a share of 0.05 a busy CPU does not fail (and replace) the
+    # idle host, as the suite's other workers made it do once in CI.
     gw.settings = gw.settings.model_copy(
-        update={"rotation": gw.settings.rotation.model_copy(update={"drain_timeout_s": 3.0})}
+        update={
+            "rotation": gw.settings.rotation.model_copy(update={"drain_timeout_s": 3.0}),
+            "probes": gw.settings.probes.model_copy(update={"thermal_min_share": 0.05}),
+        }
     )
     key = await gateway.add_key(gw, "live-agent")
     await wait_hosts_up(gw)
@@ -921,14 +926,15 @@ async def test_a_thermal_sweep_never_runs_its_load_beside_a_live_call(gw):
             await asyncio.sleep(0.05)
         slot = int(entry["server_key"][1:])
         live = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.gateway_slot == slot)
+        idle = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.name != live.name)
         reports = {r.name: r for r in await thermal.thermal_sweep(gw)}
     finally:
         stop.set()
         await talking
-    idle = next(h for h in gw.record.hosts(states=(HostState.READY,)) if h.name != live.name)
     assert reports[live.name].reason.startswith(thermal.LEFT), reports[live.name]
     assert [r.name for r in gw.record.probe_runs(live.id) if r.name == "thermal"] == []  # never under the call
-    assert [r.name for r in gw.record.probe_runs(idle.id) if r.name == "thermal"] == ["thermal"]
+    assert [r.name for r in gw.record.probe_runs(idle.id) if r.name == "thermal"] == ["thermal"], reports[idle.name]
+    assert reports[idle.name].healthy, reports[idle.name]
     assert all(h.held_until is None for h in gw.record.hosts(states=(HostState.READY,)))  # let go
     assert turns and set(turns) == {200}
 
