@@ -42,6 +42,7 @@ import httpx
 
 from fleet.core import config
 from fleet.core.config import Profile
+from fleet.engines import registry
 from fleet.engines.llama_server import KV_LAYOUT, SHARED_CACHE, cache_args
 from fleet.localcloud import tinymodels, toolchain
 from fleet.localcloud.llamaproc import llama_server
@@ -195,7 +196,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def _profile(args: argparse.Namespace) -> tuple[Profile, dict[str, str]]:
     """The profile asked for (at --slots), and its other files' paths by key."""
-    profile = config.load(args.config).profile(args.profile)
+    profile = registry.load(args.config).profile(args.profile)
     files = dict(f.split("=", 1) for f in args.file)
     if set(files) != {f.key for f in profile.files} - {"main"}:
         raise config.ConfigError(f"{args.profile}: give --file KEY=PATH for each of its files but main")

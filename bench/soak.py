@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.control import gateway, thermal
 from fleet.control.up import UpRequest
-from fleet.core import config
 from fleet.core.config import Serve
 from fleet.core.models import HostState
+from fleet.engines import registry
 from fleet.gateway.files import files_for
 from fleet.gateway.process import running_pid
 from fleet.gateway.runtime import Runtime
@@ -359,7 +359,7 @@ async def soak_run(args: argparse.Namespace, tmp: Path) -> None:
             await asyncio.sleep(0.5)
         cli(env, "gateway", "start", "--json")
         key = json.loads(cli(env, "gateway", "key", "add", "soak", "--json").stdout)["key"]
-        async with fleet_for(config.load(tmp / "fleet.toml")) as fleet:  # the CA and the port the CLI reads
+        async with fleet_for(registry.load(tmp / "fleet.toml")) as fleet:  # the CA and the port the CLI reads
             server = Server(f"https://localhost:{fleet.settings.gateway.port}", key, fleet.tls)
             haproxy = running_pid(files_for(fleet.settings))
             talk = Talk(server, args.calls)

@@ -18,8 +18,10 @@ import fleet.control.status
 import fleet.control.up
 import fleet.host.endpoints
 import fleet.host.measure
+import fleet.host.payloads
 import fleet.host.profile
 import fleet.host.teardown
+import fleet.host.templates
 from fleet.context import Context, Reporter, open_context
 from fleet.control.destroy import DestroyReport
 from fleet.control.up import UpRequest, UpResult
@@ -44,13 +46,15 @@ class Fleet(Context):
     ) -> Plan:
         return await fleet.host.profile.plan(self, model, ctx_per_slot, slots, swa_full)
 
-    async def vllm_plan(self, model: str, ctx_per_slot: int | None = None, slots: int | None = None) -> VllmPlan:
+    async def card_plan(
+        self, model: str, ctx_per_slot: int | None = None, slots: int | None = None, swa_full: bool | None = None
+    ) -> Plan | VllmPlan:
+        """The plan of what the model's engine loads: GGUF files' (`plan`), or a repository snapshot's."""
         profile = self.settings.profile(model)
-        update = {"ctx_per_slot": ctx_per_slot or profile.ctx_per_slot, "slots": slots or profile.slots}
-        return await fleet.host.profile.vllm_plan(self, profile.model_copy(update=update))
+        return await fleet.host.payloads.payload_of(profile).plan(self, profile, ctx_per_slot, slots, swa_full)
 
     async def check_template(self, model: Profile) -> Renderings | None:
-        return await fleet.host.profile.check_template(self, model)
+        return await fleet.host.templates.check_template(self, model)
 
     async def offers(
         self,

@@ -11,13 +11,14 @@ from typing import Any
 
 from fleet.app import Fleet, open_fleet
 from fleet.core import config
+from fleet.engines import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
     """The repo's fleet.toml, with the database in `tmp` and any section's keys overridden."""
-    base = config.load(ROOT / "fleet.toml")
+    base = registry.load(ROOT / "fleet.toml")
     update: dict[str, Any] = {
         "database": config.Database(path=str(tmp / "fleet.db")),
         "rotation": base.rotation.model_copy(

@@ -8,6 +8,7 @@ import pytest
 
 from fleet.core import config
 from fleet.economics.capacity import capacity, judge_level, next_level, usd_per_voice_minute
+from fleet.engines import registry
 from fleet.probes.bench import LevelResult
 
 TARGET = config.VoiceTarget(first_content_p95_ms=500, decode_tok_s=15)
@@ -71,5 +72,5 @@ def test_a_bad_voice_target_is_named(tmp_path):
     )
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError, match=r"models\.tiny\.voice\.first_content_p95_ms: .*greater than 0"):
-        config.load(tmp_path / "fleet.toml")
-    assert config.load(root / "fleet.toml").profile("a4b").voice == config.VoiceTarget()
+        registry.load(tmp_path / "fleet.toml")
+    assert registry.load(root / "fleet.toml").profile("a4b").voice == config.VoiceTarget()

@@ -15,6 +15,7 @@ from fleet.core import config
 from fleet.core import record as db
 from fleet.core.models import Event, JobRun, OfferSeen, utcnow
 from fleet.core.retention import prune
+from fleet.engines import registry
 from fleet.engines.llama_server import cache_args, server_argv
 from fleet.probes import template as chat_template
 from tests.test_machines import host as machine_host
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_shipped_config_is_valid_and_has_every_profile():
-    settings = config.load(ROOT / "fleet.toml")
+    settings = registry.load(ROOT / "fleet.toml")
     assert set(settings.models) >= {"tiny", "a4b", "phonellm", "12b", "31b"}
     assert {"SE", "DE", "CH", "GB", "NO"} <= set(settings.region("eu"))
     assert settings.region("PL") == ["PL"]
@@ -32,7 +33,7 @@ def test_the_shipped_config_is_valid_and_has_every_profile():
 
 
 def test_profiles_fit_their_architecture():
-    settings = config.load(ROOT / "fleet.toml")
+    settings = registry.load(ROOT / "fleet.toml")
     assert "--ctx-checkpoints" in settings.profile("a4b").args  # gemma: checkpoints off
     assert "--ctx-checkpoints" not in settings.profile("phonellm").args  # hybrid: would recompute every turn
     for name in ("a4b", "phonellm"):
@@ -41,7 +42,7 @@ def test_profiles_fit_their_architecture():
 
 
 def test_server_argv_fills_file_references_and_adds_port_and_alias():
-    settings = config.load(ROOT / "fleet.toml")
+    settings = registry.load(ROOT / "fleet.toml")
     argv = server_argv(settings.profile("a4b"), 41000, {"main": "models/a.gguf", "draft": "models/d.gguf"})
     assert argv[:2] == ["-m", "models/a.gguf"]
     assert argv[argv.index("-md") + 1] == "models/d.gguf"
@@ -53,7 +54,7 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
 
 
 def test_a_multi_slot_host_gets_a_kv_stream_per_slot_unless_the_profile_asks_for_one_shared_cache():
-    settings = config.load(ROOT / "fleet.toml")
+    settings = registry.load(ROOT / "fleet.toml")
     a4b = settings.profile("a4b")  # 3 slots of 32k, says --no-cache-idle-slots itself
     argv = server_argv(a4b, 41000, {"main": "m.gguf", "draft": "d.gguf"})
     assert "-no-kvu" in argv and "-kvu" not in argv and "--kv-unified-per-slot" not in argv
@@ -72,7 +73,7 @@ def test_a_multi_slot_host_gets_a_kv_stream_per_slot_unless_the_profile_asks_for
 
 
 def test_every_shipped_profile_passes_its_template_check_or_accepts_the_break():
-    settings = config.load(ROOT / "fleet.toml")
+    settings = registry.load(ROOT / "fleet.toml")
     for name in ("a4b", "12b", "31b", "phonellm"):
         profile = settings.profile(name)
         text, source = chat_template.template_text(profile, ROOT, None)
@@ -100,11 +101,11 @@ def test_bad_template_keys_are_named(tmp_path, line, message):
     assert line in text
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError, match=message):
-        config.load(tmp_path / "fleet.toml")
+        registry.load(tmp_path / "fleet.toml")
 
 
 def test_a_template_that_is_missing_or_does_not_parse_is_one_line(tmp_path):
-    profile = config.load(ROOT / "fleet.toml").profile("tiny")
+    profile = registry.load(ROOT / "fleet.toml").profile("tiny")
     missing = profile.model_copy(update={"chat_template": "no-such.jinja"})
     with pytest.raises(chat_template.TemplateError, match=r"^models\.tiny\.chat_template: fleet ships no template"):
         chat_template.template_text(missing, tmp_path, None)
@@ -122,18 +123,18 @@ def test_profile_may_not_set_what_fleet_sets(tmp_path):
     text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', '"-t", "1", "--api-key", "x"]')
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError, match=r"models\.tiny: args: --api-key is set by fleet"):
-        config.load(tmp_path / "fleet.toml")
+        registry.load(tmp_path / "fleet.toml")
     text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', '"-t", "1", "--chat-template", "x"]')
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(
         config.ConfigError, match=r"--chat-template is set by fleet.*name the template in chat_template"
     ):
-        config.load(tmp_path / "fleet.toml")
+        registry.load(tmp_path / "fleet.toml")
     for flag in ('"--cache-ram", "0"', '"-cram=0"'):
         text = (ROOT / "fleet.toml").read_text().replace('"-t", "1", "--jinja"]', f'"-t", "1", {flag}]')
         (tmp_path / "fleet.toml").write_text(text)
         with pytest.raises(config.ConfigError, match=r"models\.tiny: args: -(-cache-ram|cram) is set by fleet from"):
-            config.load(tmp_path / "fleet.toml")
+            registry.load(tmp_path / "fleet.toml")
 
 
 def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
@@ -143,18 +144,18 @@ def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
     assert image
     (tmp_path / "tag.toml").write_text(text)
     with pytest.raises(config.ConfigError, match="pin it by digest"):
-        config.load(tmp_path / "tag.toml")
+        registry.load(tmp_path / "tag.toml")
     pinned = text.replace(image.group(0), f'image = "{image.group(1)}{digest}"')
     (tmp_path / "one.toml").write_text(pinned)
     with pytest.raises(config.ConfigError, match="vllm_image: pin it by digest"):  # the vLLM image too
-        config.load(tmp_path / "one.toml")
+        registry.load(tmp_path / "one.toml")
     vllm = re.search(r'^vllm_image = "([^"]+)"$', text, re.M)
     assert vllm
     (tmp_path / "digest.toml").write_text(pinned.replace(vllm.group(0), f'vllm_image = "{vllm.group(1)}{digest}"'))
-    loaded = config.load(tmp_path / "digest.toml")
+    loaded = registry.load(tmp_path / "digest.toml")
     assert loaded.provider.image == image.group(1) + digest
-    assert loaded.provider.image_for("vllm") == vllm.group(1) + digest
-    assert loaded.provider.image_for("llama-server") == image.group(1) + digest
+    assert registry.ENGINES["vllm"].image(loaded.provider) == vllm.group(1) + digest
+    assert registry.ENGINES["llama-server"].image(loaded.provider) == image.group(1) + digest
 
 
 def test_a_vllm_profile_needs_the_vllm_image_and_a_repository(tmp_path):
@@ -163,17 +164,17 @@ def test_a_vllm_profile_needs_the_vllm_image_and_a_repository(tmp_path):
     assert vllm
     (tmp_path / "none.toml").write_text(text.replace(vllm.group(0), ""))
     with pytest.raises(config.ConfigError, match=r"models\.tiny-vllm: engine = 'vllm' needs provider\.vllm_image"):
-        config.load(tmp_path / "none.toml")
+        registry.load(tmp_path / "none.toml")
     snapshot = 'snapshot = { repo = "fleet-local/tiny-llama-hf", revision = "main" }'
     assert snapshot in text
     (tmp_path / "files.toml").write_text(text.replace(snapshot, 'files = [{ key = "main", repo = "a/b", file = "c" }]'))
     with pytest.raises(config.ConfigError, match="give snapshot"):
-        config.load(tmp_path / "files.toml")
+        registry.load(tmp_path / "files.toml")
     flags = '"--block-size", "32"]'
     assert flags in text
     (tmp_path / "flag.toml").write_text(text.replace(flags, '"--block-size", "32", "--max-model-len", "9"]'))
     with pytest.raises(config.ConfigError, match="--max-model-len is not the profile's to give"):
-        config.load(tmp_path / "flag.toml")
+        registry.load(tmp_path / "flag.toml")
 
 
 def test_migrations_build_exactly_the_models_schema(tmp_path):

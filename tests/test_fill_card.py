@@ -8,6 +8,7 @@ import pytest
 
 from fleet.control.up import UpRequest
 from fleet.core import config
+from fleet.engines import registry
 from fleet.host.profile import sized
 from tests.fleetkit import fleet_for, settings_for
 
@@ -18,7 +19,7 @@ def _local_cloud(local_cloud_env):
 
 
 def test_a_profile_that_fills_its_card_is_checked_at_load(tmp_path):
-    tiny = config.load(Path(__file__).resolve().parents[1] / "fleet.toml").profile("tiny")
+    tiny = registry.load(Path(__file__).resolve().parents[1] / "fleet.toml").profile("tiny")
     wide = sized(tiny, 6)
     assert wide.slots == 6 and wide.args[wide.args.index("-np") + 1] == "6"
     assert wide.args[wide.args.index("-c") + 1] == str(6 * tiny.ctx_per_slot)
@@ -28,7 +29,7 @@ def test_a_profile_that_fills_its_card_is_checked_at_load(tmp_path):
         ({"max_slots": 0}, "greater than or equal to 1"),
     ):
         with pytest.raises(ValueError, match=says):
-            config.Profile(**{**tiny.model_dump(), "fill_card": True, **update})
+            registry.check_profile(config.Profile(**{**tiny.model_dump(), "fill_card": True, **update}))
     two = {**tiny.model_dump(), "fill_card": True, "slots": 2, "args": sized(tiny, 2).args}
     with pytest.raises(ValueError, match="fewer than slots"):
         config.Profile(**{**two, "max_slots": 1})

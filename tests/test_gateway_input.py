@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleet.core import config
+from fleet.engines import registry
 from fleet.gateway.observed import ObservedError, parse_observed
 from fleet.gateway.runtime import RuntimeApiError, checked, parse_servers_state, parse_table
 from fleet.gateway.targets import address_of
@@ -82,7 +83,7 @@ def test_bad_gateway_settings_are_refused_naming_the_key(tmp_path, extra, says):
         text += "\n" + extra
     (tmp_path / "fleet.toml").write_text(text)
     with pytest.raises(config.ConfigError) as e:
-        config.load(tmp_path / "fleet.toml")
+        registry.load(tmp_path / "fleet.toml")
     assert says in str(e.value) and "\n" not in str(e.value)
 
 

@@ -38,9 +38,10 @@ LISTER = """
 import asyncio, sys
 from fleet.app import open_fleet
 from fleet.core import config
+from fleet.engines import registry
 
 async def main():
-    settings = config.load(sys.argv[1])
+    settings = registry.load(sys.argv[1])
     async with open_fleet(settings) as fleet:
         for _ in range(int(sys.argv[2])):
             await fleet.market.list("fleet:")

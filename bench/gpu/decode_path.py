@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from fleet.core import config
+from fleet.engines import registry
 from fleet.probes.bench import fit_call, speak_waves
 from fleet.probes.call import load_call
 from fleet.probes.runner import run_probes
@@ -168,7 +168,7 @@ def run(up: Callable[[], tuple[str, float]], tear_down: Callable[[], None], out:
 
 
 def _run(up: Callable[[], tuple[str, float]], logs: Path, variants: list[dict[str, Any]]) -> None:
-    settings = config.load()
+    settings = registry.load()
     host_name, _ = up()
     listed = subprocess.run([sys.executable, "-m", "fleet", "status", "--json"], capture_output=True, text=True)
     host = next(h for h in json.loads(listed.stdout) if h["name"] == host_name)

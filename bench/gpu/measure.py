@@ -34,7 +34,7 @@ from pathlib import Path
 import gguf
 import served
 
-from fleet.core import config
+from fleet.engines import registry
 from fleet.engines.llama_server import profile_args
 from fleet.localcloud import control, replicas
 from fleet.localcloud.bigmodels import NEMO_12B
@@ -162,7 +162,7 @@ def decode() -> None:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
     per_token = bytes_per_token(MODEL)
     binary = Path(os.environ["FLEET_LLAMA_SERVER"])
-    flags = profile_args(config.load().profile(PROFILE))  # as fleet runs them: its cache layout too
+    flags = profile_args(registry.load().profile(PROFILE))  # as fleet runs them: its cache layout too
     rows: dict[str, list[dict]] = {}
     for name, tls in (("llama-server alone, HTTP", False), ("llama-server alone, HTTPS", True)):
         log(f"{name}: the profile's flags alone, fleet's bench at 1-8 callers")
@@ -244,7 +244,7 @@ def alone() -> None:
     against llama.cpp's own llama-bench (1) and llama-batched-bench (2-8) at the callers' depth: decode's
     "llama-server alone / llama.cpp alone" row without a fleet host (no host tools needed)."""
     binary = Path(os.environ["FLEET_LLAMA_SERVER"])
-    flags = profile_args(config.load().profile(PROFILE))
+    flags = profile_args(registry.load().profile(PROFILE))
     log(f"llama-server alone, HTTP: {' '.join(flags)}")
     rows = {"llama-server alone, HTTP": served.alone(binary, MODEL, flags, 8, False)}
     keep(rows)
@@ -344,7 +344,7 @@ def slots(only: list[str]) -> None:
         profile_name, config_file, n_slots, runs = SLOT_RUNS[name]
         model, files = MODEL, []
         if name != "nemo":
-            profile = config.load(config_file).profile(profile_name)
+            profile = registry.load(config_file).profile(profile_name)
             by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
             (G / "replicas").mkdir(parents=True, exist_ok=True)
             paths = {f.key: replicas.write(by_name[(f.repo, f.file)], G / "replicas" / f.file, fill=True)
@@ -431,7 +431,7 @@ def _serve_once(argv: list[str], log_path: Path) -> tuple[str, int | None]:
 
 
 def plan(only: list[str]) -> None:
-    settings = config.load(REPO / "fleet.toml")
+    settings = registry.load(REPO / "fleet.toml")
     binary = os.environ["FLEET_LLAMA_SERVER"]
     directory = G / "replicas"
     directory.mkdir(parents=True, exist_ok=True)
@@ -492,7 +492,7 @@ def plan_table(rows: list[str]) -> str:
 
 def replan(path: Path) -> None:
     """The table of a recorded `plan` run (its plan.json) with the planner as it is now: no GPU needed."""
-    settings = config.load(REPO / "fleet.toml")
+    settings = registry.load(REPO / "fleet.toml")
     by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

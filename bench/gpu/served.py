@@ -17,8 +17,8 @@ from typing import Any
 
 from fleet.app import open_fleet
 from fleet.control import gateway
-from fleet.core import config
 from fleet.core.tls import client_context, ensure_ca, sign_server
+from fleet.engines import registry
 from fleet.localcloud.llamaproc import llama_server
 from fleet.probes.bench import LevelResult, fit_call, levels_up_to, run_bench, run_level
 from fleet.probes.call import load_call
@@ -63,7 +63,7 @@ def through_gateway(host_name: str, most: int) -> dict[str, list[dict[str, Any]]
 
 
 async def _through_gateway(host_name: str, most: int) -> dict[str, list[dict[str, Any]]]:
-    async with open_fleet(config.load()) as fleet:
+    async with open_fleet(registry.load()) as fleet:
         started = await gateway.start(fleet)
         key = await gateway.add_key(fleet, "gpu-bench")
         url = started["targets"][0]["base_url"].removesuffix("/v1")

@@ -12,6 +12,7 @@ from fleet.cli import render
 from fleet.cli.common import ConfigPath, JsonFlag, StateDir, fail, reporter, run_async
 from fleet.control.destroy import destroy_all_on
 from fleet.core import config
+from fleet.engines import registry
 from fleet.localcloud import control
 
 
@@ -61,7 +62,7 @@ def _settings_of(config_path: Path | None, directory: Path) -> config.Settings |
     """fleet.toml's settings when its provider is this local cloud; None when there is none to read, or it
     rents elsewhere."""
     try:
-        settings = config.load(config_path)
+        settings = registry.load(config_path)
     except config.ConfigError as e:
         if config_path is not None:
             fail(str(e), 2)

@@ -16,6 +16,7 @@ import typer
 from fleet.cli.render import print_json, warn
 from fleet.core import config
 from fleet.core.errors import BadInput, FleetError
+from fleet.engines import registry
 
 T = TypeVar("T")
 
@@ -55,7 +56,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 def load_settings(path: Path | None) -> config.Settings:
     try:
-        return config.load(path)
+        return registry.load(path)
     except config.ConfigError as e:
         fail(str(e), 2)
 

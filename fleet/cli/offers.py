@@ -25,6 +25,7 @@ from fleet.cli.common import (
 )
 from fleet.core import config, paths
 from fleet.plan.memory import GIB
+from fleet.plan.vllm import VllmPlan
 
 
 def offers_cmd(
@@ -104,27 +105,19 @@ def plan_cmd(
         profile = settings.profile(model)
     except config.ConfigError as e:
         fail(str(e), 2)
-    if profile.engine == "vllm":
-        if swa_full is not None:
-            fail("--swa-full is llama-server's: vLLM keeps a window's tokens alone", 2)
-
-        async def go_vllm() -> Any:
-            async with open_fleet(settings, reporter(json_output)) as fleet:
-                return await fleet.vllm_plan(model, ctx, slots)
-
-        vllm = run_async(go_vllm)
-        card = int((gpu_ram or profile.gpu_ram_gb) * GIB)
-        if json_output:
-            render.print_json(vllm.as_dict(card))
-        else:
-            render_plan.vllm_plan(model, vllm, card)
-        return
 
     async def go() -> Any:
         async with open_fleet(settings, reporter(json_output)) as fleet:
-            return await fleet.plan(model, ctx, slots, swa_full)
+            return await fleet.card_plan(model, ctx, slots, swa_full)
 
     plan = run_async(go)
+    if isinstance(plan, VllmPlan):  # a repository snapshot's: what one card leaves each sequence
+        card = int((gpu_ram or profile.gpu_ram_gb) * GIB)
+        if json_output:
+            render.print_json(plan.as_dict(card))
+        else:
+            render_plan.vllm_plan(model, plan, card)
+        return
     data = plan.as_dict()
     if gpu_ram is not None:
         data["max_slots"][f"{gpu_ram:g}"] = plan.max_slots(int(gpu_ram * GIB))

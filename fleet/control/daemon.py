@@ -44,6 +44,7 @@ from fleet.core import record as db
 from fleet.core.errors import FleetError
 from fleet.core.models import LIVE_STATES, Event, HostState, ProbeRun, utcnow
 from fleet.economics.bill import accrued_usd
+from fleet.engines import registry
 
 log = logging.getLogger("fleet.daemon")
 
@@ -122,7 +123,7 @@ async def _run(
 ) -> None:
     """One job's tick. Several daemons may share a PostgreSQL database: the first to claim the tick
     runs it; the others skip it."""
-    settings = config.load(config_path)
+    settings = registry.load(config_path)
     async with open_context(settings, LogReporter()) as ctx:
         gateway.hang(ctx)
         holder = ctx.record.claim_tick(job, tick(settings.rotation), DAEMON_ID)

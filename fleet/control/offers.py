@@ -13,8 +13,8 @@ from fleet.core.models import LIVE_STATES, OfferSeen, utcnow
 from fleet.economics import offers as offer_rules
 from fleet.economics import selection
 from fleet.economics.selection import Expectation
-from fleet.engines import serving
-from fleet.engines.llama_server import COMPUTE_CAPS
+from fleet.engines.registry import engine_of
+from fleet.host import payloads
 from fleet.host import profile as profiles
 from fleet.market import Offer
 from fleet.plan.memory import GIB
@@ -30,6 +30,7 @@ def criteria(
 ) -> offer_rules.Criteria:
     plan_gib = need.card_bytes / GIB if need else 0.0
     provider = ctx.settings.provider
+    engine = engine_of(profile)
     return offer_rules.Criteria(
         countries=frozenset(ctx.settings.region(region)),
         filters=ctx.settings.filters,
@@ -38,14 +39,13 @@ def criteria(
         max_usd_per_hour=max_price,
         excluded_machines=frozenset(excluded or ()),
         # the image's builds, narrowed by the profile (NVFP4 wants Blackwell's own)
-        compute_caps=tuple(c for c in COMPUTE_CAPS if not profile.compute_caps or c in profile.compute_caps),
+        compute_caps=tuple(c for c in engine.compute_caps if not profile.compute_caps or c in profile.compute_caps),
         contract_ends_after=time.time() + ctx.settings.filters.min_contract_hours * 3600,
         # every bring-up downloads the image and the profile's files, at the offer's $/GB
-        pull_gb=(need.pull_bytes / offer_rules.GB if need else 0.0)
-        + ctx.settings.provider.image_gb_for(profile.engine),
-        one_card=profile.engine == "vllm",  # fleet starts vLLM without tensor parallelism: it uses one card
+        pull_gb=(need.pull_bytes / offer_rules.GB if need else 0.0) + engine.image_gb(provider),
+        one_card=engine.one_card,
         cpu_arch=provider.image_arch,
-        min_cpu_ram_gb=serving.host_ram_gb(profile),
+        min_cpu_ram_gb=engine.host_ram_gb(profile),
     )
 
 
@@ -63,7 +63,7 @@ async def search(
     card alone, so that the funnel counts what each filter removes."""
     profile = ctx.settings.profile(model)
     excluded = unusable_machines(ctx) if exclude_unusable else set()
-    wanted = criteria(ctx, profile, region, max_price, excluded, await profiles.card_need(ctx, profile))
+    wanted = criteria(ctx, profile, region, max_price, excluded, await payloads.card_need(ctx, profile))
     query = offer_rules.query_for(wanted, profile, pool_only=explain)
     async with ctx.waits.on("market"):
         found = await ctx.market.search(query)

@@ -24,7 +24,9 @@ from fleet.core.config import Profile
 from fleet.core.models import Host, HostState, utcnow
 from fleet.core.record import CapReached
 from fleet.economics import offers as offer_rules
+from fleet.engines.registry import engine_of
 from fleet.host import profile as profiles
+from fleet.host import templates
 from fleet.host.attempts import AttemptReport, attempt_row, end_attempt
 from fleet.host.bringup import BringUp, image_login
 from fleet.host.endpoints import publish
@@ -83,7 +85,7 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
     ctx.settings.region(request.region)
     run_id = secrets.token_hex(4)
     result = UpResult(run_id=run_id)
-    await profiles.check_template(ctx, profile)
+    await templates.check_template(ctx, profile)
     image_login(ctx.settings.provider)  # a private image's token is at hand before anything is rented
     await check_permissions(ctx)
     try:
@@ -277,7 +279,7 @@ async def intent_to_create(ctx: Context, run_id: str, profile: Profile, request:
         storage_usd_per_hour=offer_rules.storage_price_per_hour(offer),
         contract_end_at=datetime.fromtimestamp(offer.end_date, UTC) if offer.end_date else None,
         inet_down_mbps=offer.inet_down_mbps,
-        image_bytes=int(ctx.settings.provider.image_gb_for(profile.engine) * 1e9),
+        image_bytes=int(engine_of(profile).image_gb(ctx.settings.provider) * 1e9),
         slots=profile.slots,
         owner=ctx.owner,
         lease_until=utcnow() + timedelta(seconds=ctx.settings.up.lease_s),

@@ -219,13 +219,6 @@ class Settings(Strict):
             raise ValueError("gateway.peer_name: name this instance among gateway.peers")
         return self
 
-    @model_validator(mode="after")
-    def _engine_images(self) -> Settings:
-        for name, profile in self.models.items():
-            if profile.engine == "vllm" and not self.provider.vllm_image:
-                raise ValueError(f"models.{name}: engine = 'vllm' needs provider.vllm_image (images/vllm/)")
-        return self
-
     def profile(self, name: str) -> Profile:
         if name not in self.models:
             raise ConfigError(f"{self.source}: no model profile {name!r} (have: {', '.join(sorted(self.models))})")
@@ -263,7 +256,8 @@ def _describe(error: dict[str, Any]) -> str:
 
 
 def load(path: Path | str | None = None) -> Settings:
-    """Read and validate fleet.toml (FLEET_CONFIG or ./fleet.toml when no path is given)."""
+    """Read and validate fleet.toml (FLEET_CONFIG or ./fleet.toml when no path is given) as far as what every
+    profile shares: fleet/engines/registry.py's load holds each profile to its engine's rules too."""
     path = Path(path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -45,9 +45,6 @@ class Snapshot(Strict):
     revision: Annotated[str, Field(pattern=rf"^{PATH_PART}$")] = "main"
 
 
-ENGINES = ("llama-server", "vllm")
-
-
 class ProfileProbes(Strict):
     """How big the probes' conversations are for this model (a real card vs the tiny CPU model)."""
 
@@ -79,8 +76,9 @@ class VoiceTarget(Strict):
 class Profile(Strict):
     name: str = ""
     description: str = ""
-    # What serves it: llama.cpp's llama-server from GGUF `files`, or vLLM from a repository `snapshot`
-    engine: Literal["llama-server", "vllm"] = "llama-server"
+    # What serves it (fleet/engines/registry.py ENGINES): llama.cpp's llama-server from GGUF `files`, or vLLM
+    # from a repository `snapshot`
+    engine: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")] = "llama-server"
     gpu_ram_gb: Annotated[float, Field(ge=0)]
     disk_gb: Annotated[float, Field(ge=8)]
     slots: Annotated[int, Field(ge=1)]
@@ -134,94 +132,12 @@ class Profile(Strict):
         return v
 
     @model_validator(mode="after")
-    def _files(self) -> Profile:
-        if self.engine == "vllm":
-            return self._vllm()
-        if self.snapshot is not None:
-            raise ValueError("snapshot: a repository snapshot is what a vllm profile serves (engine = 'vllm')")
-        keys = [f.key for f in self.files]
-        if "main" not in keys:
-            raise ValueError("files: one file must have key = 'main'")
-        if len(set(keys)) != len(keys):
-            raise ValueError("files: keys must be unique")
+    def _shared_rules(self) -> Profile:
+        """What every engine's profile keeps; each engine's own rules are its check_profile
+        (fleet/engines/registry.py runs them when fleet.toml loads)."""
         for arg in self.args:
             if any(c in arg for c in "\0\n\r"):
                 raise ValueError(f"args: {arg!r} holds a NUL or a line break")
-            for ref in re.findall(r"\{file\.([^}]*)\}", arg):
-                if ref not in keys:
-                    raise ValueError(f"args: {{file.{ref}}} names no file")
-        for forbidden in ("--api-key", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template"):
-            if forbidden in self.args:
-                raise ValueError(
-                    f"args: {forbidden} is set by fleet, not the profile"
-                    + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
-                )
-        for flag in ("--cache-ram", "-cram"):
-            if any(a == flag or a.startswith(flag + "=") for a in self.args):
-                raise ValueError(f"args: {flag} is set by fleet from the profile's cache_ram_mib")
-        if self.fill_card and not ("-np" in self.args and "-c" in self.args):
-            raise ValueError("fill_card: the args must give -np and -c, which fleet sets for each host's card")
         if self.max_slots is not None and self.max_slots < self.slots:
             raise ValueError(f"max_slots ({self.max_slots}) is fewer than slots ({self.slots})")
-        # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
-        if "-np" in self.args and self.args[self.args.index("-np") + 1 :][:1] != [str(self.slots)]:
-            raise ValueError(f"args: -np must equal slots ({self.slots})")
-        if "-c" in self.args and self.args[self.args.index("-c") + 1 :][:1] != [str(self.slots * self.ctx_per_slot)]:
-            raise ValueError(f"args: -c must equal slots x ctx_per_slot ({self.slots * self.ctx_per_slot})")
         return self
-
-    def _vllm(self) -> Profile:
-        if self.fill_card:
-            raise ValueError("fill_card: a vllm profile's sequences are --max-num-seqs at its slots")
-        if self.snapshot is None or self.files:
-            raise ValueError("engine = 'vllm' serves a repository: give snapshot = { repo, revision }, not files")
-        for i, arg in enumerate(self.args):
-            if any(c in arg for c in "\0\n\r"):
-                raise ValueError(f"args: {arg!r} holds a NUL or a line break")
-            flag = arg.split("=", 1)[0]
-            if flag.startswith("--"):
-                flag = "--" + flag[2:].replace("_", "-")  # vLLM reads --max_num_seqs as --max-num-seqs
-            if flag in VLLM_SET_BY_FLEET:
-                raise ValueError(f"args: {flag} is not the profile's to give ({VLLM_SET_BY_FLEET[flag]})")
-            if flag in VLLM_NUMBERS:
-                value = arg.partition("=")[2] if "=" in arg else (self.args[i + 1 : i + 2] or [""])[0]
-                if not VLLM_NUMBERS[flag](value):
-                    raise ValueError(f"args: {flag} {value[:20]!r}: {VLLM_NUMBER_RULES[flag]}")
-        return self
-
-
-# vLLM's flags fleet sets itself, and from what
-VLLM_SET_BY_FLEET = {
-    "--api-key": "the host's key, in the server's environment",
-    "--port": "the service port",
-    "--host": "the image's listen address",
-    "--model": "snapshot",
-    "--served-model-name": "the profile's name",
-    "--max-num-seqs": "slots",
-    "--max-model-len": "ctx_per_slot",
-    "--chat-template": "chat_template",
-    "--ssl-keyfile": "the host's TLS key",
-    "--ssl-certfile": "the certificate fleet's CA signs",
-    "--enable-prompt-tokens-details": "always on: a warm turn reports its cached tokens",
-    "--middleware": "fleet-serve's key check on every path",
-    "--config": "a file of flags would pass the rest of this list by",
-    "--uds": "the service port",
-    "--root-path": "the paths the gateway and the probes use",
-    "--tensor-parallel-size": "fleet serves a vLLM profile from one card, and rents by one card's memory",
-    "-tp": "fleet serves a vLLM profile from one card, and rents by one card's memory",
-}
-
-
-def _share(value: str) -> bool:
-    try:
-        return 0 < float(value) <= 1
-    except ValueError:
-        return False
-
-
-# vLLM's flags whose value fleet reads too (the planner, the cache probe): checked at load
-VLLM_NUMBERS = {"--gpu-memory-utilization": _share, "--block-size": lambda v: v.isdigit() and 0 < int(v) <= 4096}
-VLLM_NUMBER_RULES = {
-    "--gpu-memory-utilization": "a share of the card above 0, at most 1",
-    "--block-size": "tokens, 1-4096",
-}

@@ -76,14 +76,6 @@ class Provider(Strict):
                 )
         return self
 
-    def image_for(self, engine: str) -> str:
-        """The image a host of `engine` boots."""
-        return self.vllm_image if engine == "vllm" else self.image
-
-    def image_gb_for(self, engine: str) -> float:
-        """What pulling the image a host of `engine` boots downloads (GB)."""
-        return self.vllm_image_gb if engine == "vllm" else self.image_gb
-
     @property
     def is_local(self) -> bool:
         return self.url == LOCAL

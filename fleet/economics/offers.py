@@ -34,7 +34,7 @@ class Criteria:
     plan_gib: float = 0.0  # what the plan needs on the card (min_gpu_ram_gb is the larger of it and the card's)
     one_card: bool = False  # the engine serves from one card (vLLM without tensor parallelism): no sum over GPUs
     cpu_arch: str = "amd64"  # the image's: an offer that lists another (or none) cannot start it
-    min_cpu_ram_gb: float = 0.0  # the system RAM a host of the profile needs (engines/serving.py)
+    min_cpu_ram_gb: float = 0.0  # the system RAM a host of the profile needs (its engine's host_ram_gb)
 
 
 @dataclass

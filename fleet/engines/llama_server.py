@@ -1,12 +1,15 @@
-"""llama.cpp's llama-server: its argv from a profile, and the KV cache layout fleet gives a multi-slot host.
-What its replies report is read in fleet/engines/replies.py, its /metrics in fleet/engines/metrics.py."""
+"""llama.cpp's llama-server: the profile rules it holds, its argv from a profile, and the KV cache layout fleet
+gives a multi-slot host. What its replies report is read in fleet/engines/replies.py, its /metrics in
+fleet/engines/metrics.py."""
 
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 from fleet.core.config import Profile
 from fleet.engines import TEMPLATE_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from fleet.engines.base import Engine, Payload
 
 # The CUDA architectures the host image's llama-server is built for (images/llama-server/Dockerfile's
 # CUDA_ARCHITECTURES; a test holds the two equal). An offer's card must be one of them: vast.ai gives its
@@ -75,3 +78,66 @@ def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile_args(profile)]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
     return ["-m", files["main"], *args, *template, *EXPOSURE, *TLS, "--port", str(port), "-a", profile.name]
+
+
+# What fleet sets on every host: a profile that gives one is refused at load
+SET_BY_FLEET = ("--api-key", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template")
+CACHE_RAM = ("--cache-ram", "-cram")
+
+
+class LlamaServer(Engine):
+    """llama-server from GGUF files pulled by key; -np slots of -c / -np context, or as many as the card holds."""
+
+    name = "llama-server"
+    server_name = "llama-server"
+    payload = Payload.GGUF_FILES
+    image_setting = "image"
+    one_card = False  # llama.cpp splits layers over every card of the host
+    reports_slots = True
+    renders_templates = True
+    pid_file = "llama-server.pid"
+    log_file = "llama-server.log"
+    compute_caps: ClassVar[tuple[int, ...]] = COMPUTE_CAPS
+
+    def check_profile(self, profile: Profile) -> None:
+        args = profile.args
+        if profile.snapshot is not None:
+            raise ValueError("snapshot: a repository snapshot is what a vllm profile serves (engine = 'vllm')")
+        keys = [f.key for f in profile.files]
+        if "main" not in keys:
+            raise ValueError("files: one file must have key = 'main'")
+        if len(set(keys)) != len(keys):
+            raise ValueError("files: keys must be unique")
+        for arg in args:
+            for ref in re.findall(r"\{file\.([^}]*)\}", arg):
+                if ref not in keys:
+                    raise ValueError(f"args: {{file.{ref}}} names no file")
+        for forbidden in SET_BY_FLEET:
+            if forbidden in args:
+                raise ValueError(
+                    f"args: {forbidden} is set by fleet, not the profile"
+                    + (" (name the template in chat_template)" if forbidden.startswith("--chat-template") else "")
+                )
+        for flag in CACHE_RAM:
+            if any(a == flag or a.startswith(flag + "=") for a in args):
+                raise ValueError(f"args: {flag} is set by fleet from the profile's cache_ram_mib")
+        if profile.fill_card and not ("-np" in args and "-c" in args):
+            raise ValueError("fill_card: the args must give -np and -c, which fleet sets for each host's card")
+        # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
+        if "-np" in args and args[args.index("-np") + 1 :][:1] != [str(profile.slots)]:
+            raise ValueError(f"args: -np must equal slots ({profile.slots})")
+        if "-c" in args and args[args.index("-c") + 1 :][:1] != [str(profile.slots * profile.ctx_per_slot)]:
+            raise ValueError(f"args: -c must equal slots x ctx_per_slot ({profile.slots * profile.ctx_per_slot})")
+
+    def server_argv(self, profile: Profile, port: int, files: dict[str, str]) -> list[str]:
+        return server_argv(profile, port, files)
+
+    def host_ram_gb(self, profile: Profile) -> float:
+        return host_ram_gb(profile)
+
+    def with_slots(self, profile: Profile, slots: int) -> Profile:
+        """-np and -c set to the slots (check_profile made sure a fill_card profile gives both)."""
+        args = list(profile.args)
+        for flag, value in (("-np", slots), ("-c", slots * profile.ctx_per_slot)):
+            args[args.index(flag) + 1] = str(value)
+        return profile.model_copy(update={"slots": slots, "args": args})

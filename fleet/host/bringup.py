@@ -27,13 +27,13 @@ from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.keys import new_host_key
 from fleet.core.models import Host, HostState, utcnow
-from fleet.engines import SERVICE_PORT, serving
-from fleet.host import addresses, certificate, hostkey
+from fleet.engines import SERVICE_PORT
+from fleet.engines.registry import engine_of
+from fleet.host import addresses, certificate, hostkey, templates
 from fleet.host import ops as hostops
-from fleet.host import profile as profiles
-from fleet.host import snapshot as snapshots
 from fleet.host.instance import image_pull_s, wait_running, wait_stopped
 from fleet.host.measure import probe_host
+from fleet.host.payloads import payload_of, pull_deadline
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, connect
 from fleet.market import (
@@ -47,7 +47,6 @@ from fleet.market import (
     OfferGone,
     RateLimited,
 )
-from fleet.plan.memory import MIB, card_problem
 from fleet.probes import ProbeResult
 from fleet.probes.server import Server
 from fleet.probes.thermal import sample_card
@@ -97,7 +96,7 @@ class BringUp:
                 timeout = "standby_start" if self.resume and phase.name == "boot" else phase.timeout
                 limit = getattr(timeouts, timeout) if timeout else None
                 if phase.name == "pull" and not self.resume:
-                    limit = self.pull_limit_s = await profiles.pull_deadline(self.ctx, self.host, self.profile)
+                    limit = self.pull_limit_s = await pull_deadline(self.ctx, self.host, self.profile)
                 if phase.name == "boot" and not self.resume and limit is not None:
                     limit += image_pull_s(self.host, timeouts)  # the image comes down the machine's listed link
                 began = time.monotonic()
@@ -155,7 +154,7 @@ class BringUp:
         assert offer is not None
         host_key = new_host_key()
         spec = InstanceSpec(
-            image=ctx.settings.provider.image_for(self.profile.engine),
+            image=engine_of(self.profile).image(ctx.settings.provider),
             disk_gb=self.profile.disk_gb,
             label=host.label,
             env={},
@@ -254,21 +253,14 @@ class BringUp:
                 failpoints.reach("mid_pull")
             ctx.reporter.progress(host.name, name, done, total)
 
-        token = profiles.hub_token(ctx)
+        payload = payload_of(self.profile)
         if self.resume:
             async with ctx.waits.on("pull"):
-                if self.profile.engine == "vllm":
-                    self.files = await snapshots.kept_snapshot(self.conn, await profiles.snapshot(ctx, self.profile))
-                else:
-                    self.files = await hostops.kept_files(self.conn, self.profile, ctx.hub_url, token)
+                self.files = await payload.kept(ctx, self.conn, self.profile)
             return
         limits = (ctx.settings.up.pull_connections, self.pull_limit_s, progress, ctx.settings.timeouts.pull_stall)
         async with ctx.waits.on("pull"):
-            if self.profile.engine == "vllm":
-                repo = await profiles.snapshot(ctx, self.profile)
-                self.files = await snapshots.pull_snapshot(self.conn, repo, ctx.hub_url, token, *limits)
-            else:
-                self.files = await hostops.pull_files(self.conn, self.profile, ctx.hub_url, token, *limits)
+            self.files = await payload.pull(ctx, self.conn, self.profile, limits)
         ctx.record.update(host, pulled_at=utcnow(), pulled_bytes=sum(sizes.values()))
 
     async def start(self) -> None:
@@ -291,13 +283,13 @@ class BringUp:
                 self.files,
                 Server(api_url, self.ctx.api_key(self.host), self.ctx.tls, self.host.tls_name),
                 self.ctx.settings.timeouts.load,
-                await profiles.chat_template(self.ctx, self.profile) if self.profile.chat_template else None,
+                await templates.chat_template(self.ctx, self.profile),
             )
         self.ctx.record.update(self.host, api_url=api_url, started_at=utcnow())
         await self.check_card()
 
     async def check_card(self) -> None:
-        """With llama-server loaded, the host's card by nvidia-smi against the plan; a host without one
+        """With its server loaded, the host's card by nvidia-smi against the plan; a host without one
         (the local cloud on a CPU) is left alone. The reading is recorded as an event."""
         samples = await sample_card(self.conn)
         if not samples:
@@ -306,20 +298,13 @@ class BringUp:
         used = sum(s.mem_used_mib or 0 for s in samples)
         names = ", ".join(sorted({s.name or "unknown" for s in samples}))
         self.ctx.record.event("card", "loaded", f"{names}: {used:.0f} of {total:.0f} MiB in use", self.host.id)
-        if self.profile.engine == "vllm":
-            # vLLM takes --gpu-memory-utilization of the one card it serves from, whatever it needs: its plan
-            # says whether that card fits
-            card = min(s.mem_total_mib or 0 for s in samples)
-            problem = (await profiles.vllm_plan(self.ctx, self.profile)).problem(int(card * MIB))
-        else:
-            planned = await profiles.plan(self.ctx, self.profile.name, slots=self.profile.slots)  # the host's slots
-            problem = card_problem(planned, total, used)
+        problem = await payload_of(self.profile).card_problem(self.ctx, self.profile, samples)
         if problem:
             raise PhaseFailed("start", problem)
 
     async def probe(self) -> None:
         names = list(self.profile.probes.on_up)
-        server = serving.server_name(self.profile)
+        server = engine_of(self.profile).server_name
         self.ctx.reporter.info(self.host.name, f"{server} up at {self.host.api_url}; probing: {', '.join(names)}")
         results = await probe_host(
             self.ctx, self.host, self.profile, names, self.conn, self.ctx.settings.timeouts.probes

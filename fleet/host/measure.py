@@ -19,7 +19,8 @@ from fleet.core.errors import FleetError
 from fleet.core.models import BenchRun, Host, HostState, ProbeRun
 from fleet.economics.capacity import Capacity, capacity, next_level, usd_per_voice_minute
 from fleet.economics.duty import calls_for
-from fleet.host import profile as profiles
+from fleet.engines.registry import engine_of
+from fleet.host import templates
 from fleet.host.endpoints import publish
 from fleet.host.ops import HostMemory, read_memory
 from fleet.host.phase import PhaseFailed
@@ -111,7 +112,9 @@ async def probe_host(
     assert host.api_url
     try:
         async with asyncio.timeout(timeout_s), ctx.waits.on("server"):
-            template = (await profiles.template(ctx, profile))[0] if profile.engine == "vllm" else None
+            # an engine that renders no template for a client has its template rendered here
+            renders = engine_of(profile).renders_templates
+            template = None if renders else (await templates.template(ctx, profile))[0]
             results = await run_probes(names, ctx.server(host), profile, ctx.settings, ssh, plot_path, template)
     except (TimeoutError, httpx.HTTPError, FleetError, OSError) as e:
         raise PhaseFailed("probes", f"probing failed: {type(e).__name__}: {e}") from None
@@ -188,7 +191,7 @@ async def bench(ctx: Context, name: str, options: BenchOptions) -> BenchReport:
         raise ValueError(f"{name}: no speaker capacity measured yet: bench its speakers first (--load both)")
     server = ctx.server(host)
     fitted = await fit_call(
-        server, load_call(), slots_started=host.slots, engine=profile.engine, ctx_per_slot=profile.ctx_per_slot
+        server, load_call(), slots_started=host.slots, engine=engine_of(profile), ctx_per_slot=profile.ctx_per_slot
     )
     kept = None
     if options.load != "calls":

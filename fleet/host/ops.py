@@ -18,7 +18,8 @@ import asyncssh
 import httpx
 
 from fleet.core.config import Profile
-from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE, serving
+from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE
+from fleet.engines.registry import engine_of
 from fleet.host import hubfile
 from fleet.host.phase import PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
@@ -167,7 +168,7 @@ async def start_server(
             await run(conn, ["sh", "-c", put, "sh", RUN_DIR, TEMPLATE_FILE], stdin=chat_template, timeout_s=60)
         await run(
             conn,
-            ["fleet-serve", RUN_DIR, "--", *serving.server_argv(profile, port, files)],
+            ["fleet-serve", RUN_DIR, "--", *engine_of(profile).server_argv(profile, port, files)],
             stdin=f"{server.api_key}\n",
             timeout_s=60,
         )
@@ -189,7 +190,7 @@ async def start_server(
                 pass
             polls += 1
             if polls % 20 == 0 and not await server_alive(conn, profile):
-                name = serving.server_name(profile)
+                name = engine_of(profile).server_name
                 raise PhaseFailed("start", f"{name} exited: {await server_log_tail(conn, profile)}")
             await asyncio.sleep(0.1)
     tail = await server_log_tail(conn, profile)
@@ -197,7 +198,7 @@ async def start_server(
 
 
 async def server_alive(conn: asyncssh.SSHClientConnection, profile: Profile) -> bool:
-    pid = f"{RUN_DIR}/{serving.pid_file(profile)}"
+    pid = f"{RUN_DIR}/{engine_of(profile).pid_file}"
     try:
         await run(conn, ["sh", "-c", 'kill -0 "$(cat "$1")"', "sh", pid], timeout_s=30)
     except RemoteError:
@@ -207,7 +208,7 @@ async def server_alive(conn: asyncssh.SSHClientConnection, profile: Profile) -> 
 
 async def server_log_tail(conn: asyncssh.SSHClientConnection, profile: Profile) -> str:
     try:
-        result = await run(conn, ["tail", "-n", "3", f"{RUN_DIR}/{serving.log_file(profile)}"], timeout_s=30)
+        result = await run(conn, ["tail", "-n", "3", f"{RUN_DIR}/{engine_of(profile).log_file}"], timeout_s=30)
     except RemoteError:
         return "no log"
     return " | ".join(str(result.stdout or "").strip().splitlines()) or "no log"
@@ -229,7 +230,9 @@ _MEMORY = (
 async def read_memory(conn: asyncssh.SSHClientConnection, profile: Profile, timeout_s: float) -> HostMemory:
     """The host's RAM and its server's resident set. What the host prints is a stranger's: only the three
     lines asked for are read, each a finite number of kB, or RemoteError."""
-    result = await run(conn, ["sh", "-c", _MEMORY, "sh", f"{RUN_DIR}/{serving.pid_file(profile)}"], timeout_s=timeout_s)
+    result = await run(
+        conn, ["sh", "-c", _MEMORY, "sh", f"{RUN_DIR}/{engine_of(profile).pid_file}"], timeout_s=timeout_s
+    )
     return parse_memory(str(result.stdout or ""))
 
 

@@ -1,6 +1,6 @@
 """What a profile resolves to for its hosts: where its files are, their GGUF headers (read over HTTP
-ranges, once per process) or its repository's listing, the GPU memory plan they imply, and the chat
-template a host is given."""
+ranges, once per process) or its repository's listing and chat template, the GPU memory plan they imply, and
+the slots a host's card holds. fleet/host/payloads.py puts these to work by the payload the engine loads."""
 
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ from dataclasses import dataclass
 from fleet.context import Context
 from fleet.core import paths
 from fleet.core.config import Profile
-from fleet.core.models import Host
-from fleet.engines import vllm
+from fleet.engines.registry import engine_of
 from fleet.plan import gguf, hfconfig, safetensors
 from fleet.plan import snapshot as snapshots
 from fleet.plan.gguf import GgufHeader
 from fleet.plan.memory import MIB, Plan, PlanSettings, cache_settings_from_args, make_plan
 from fleet.plan.snapshot import Snapshot
 from fleet.plan.vllm import VllmPlan, VllmSettings
-from fleet.probes import template as chat_templates
-from fleet.probes.renderings import Renderings
 
 
 def file_url(ctx: Context, repo: str, revision: str, filename: str) -> str:
@@ -55,28 +52,14 @@ class CardNeed:
     pull_bytes: int  # what a bring-up downloads
 
 
-async def card_need(ctx: Context, profile: Profile) -> CardNeed:
-    """What an offer's card and link must carry for this profile, from its plan."""
-    if profile.engine == "vllm":
-        planned = await vllm_plan(ctx, profile)
-        return CardNeed(planned.card_bytes_needed(), sum(f.size for f in (await snapshot(ctx, profile)).files))
-    found = await plan(ctx, profile.name)
-    return CardNeed(found.total_bytes(), found.file_bytes)
-
-
 # llama.cpp's LLAMA_MAX_SEQ: the most sequences (slots) a context holds
 MOST_SLOTS = 256
 
 
 def sized(profile: Profile, slots: int) -> Profile:
-    """The profile as one host runs it with `slots` slots: -np and -c set to them (a profile that does not fill
-    its card keeps its own)."""
-    if slots == profile.slots:
-        return profile
-    args = list(profile.args)
-    for flag, value in (("-np", slots), ("-c", slots * profile.ctx_per_slot)):
-        args[args.index(flag) + 1] = str(value)
-    return profile.model_copy(update={"slots": slots, "args": args})
+    """The profile as one host runs it with `slots` slots, its engine's flags saying so (a profile that does not
+    fill its card keeps its own)."""
+    return profile if slots == profile.slots else engine_of(profile).with_slots(profile, slots)
 
 
 async def slots_for(ctx: Context, profile: Profile, card_mb: int) -> int:
@@ -125,8 +108,8 @@ async def vllm_plan(ctx: Context, profile: Profile) -> VllmPlan:
     settings = VllmSettings(
         max_model_len=profile.ctx_per_slot,
         max_num_seqs=profile.slots,
-        gpu_memory_utilization=vllm.gpu_memory_utilization(profile),
-        kv_bytes=vllm.kv_bytes(profile),
+        gpu_memory_utilization=engine_of(profile).card_share(profile),
+        kv_bytes=engine_of(profile).kv_bytes(profile),
     )
     return VllmPlan(profile.name, weights, layout, settings, int(ctx.settings.plan.runtime_mib_for(profile) * MIB))
 
@@ -156,22 +139,7 @@ async def plan(
     )
 
 
-async def template(ctx: Context, profile: Profile) -> tuple[str | None, str]:
-    """(text, source) of the template llama-server will use: the profile's file, else the model
-    file's own (None when it carries none: llama-server falls back to its default)."""
-    if profile.name not in ctx.templates:
-        embedded = None
-        if profile.chat_template is None and profile.engine == "vllm":
-            embedded = await _repo_template(ctx, profile)
-        elif profile.chat_template is None:
-            main = next(f for f in profile.files if f.key == "main")
-            found = await header(ctx, file_url(ctx, main.repo, main.revision, main.file))
-            embedded = found.metadata.get("tokenizer.chat_template")
-        ctx.templates[profile.name] = chat_templates.template_text(profile, ctx.settings.source.parent, embedded)
-    return ctx.templates[profile.name]
-
-
-async def _repo_template(ctx: Context, profile: Profile) -> str | None:
+async def repo_template(ctx: Context, profile: Profile) -> str | None:
     """The repository's own template: chat_template.jinja, else tokenizer_config.json's chat_template (a
     text, or the one named "default" of a list)."""
     repo = await snapshot(ctx, profile)
@@ -193,35 +161,3 @@ async def _repo_template(ctx: Context, profile: Profile) -> str | None:
     if isinstance(found, list):
         found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
     return found if isinstance(found, str) else None
-
-
-async def chat_template(ctx: Context, profile: Profile) -> str | None:
-    """The text of the template fleet puts on the host (the profile's file), or None."""
-    return (await template(ctx, profile))[0] if profile.chat_template else None
-
-
-async def check_template(ctx: Context, profile: Profile) -> Renderings | None:
-    """The renderings check on the profile's template, here, before anything is rented; raises
-    TemplateError (nothing created) when a shape the profile does not accept breaks the prefix."""
-    text, source = await template(ctx, profile)
-    if text is None:
-        return None
-    result = await chat_templates.check_text(text, chat_templates.template_kwargs(profile))
-    reason = chat_templates.refusal(profile, source, result)
-    if reason is not None:
-        raise chat_templates.TemplateError(reason)
-    return result
-
-
-async def pull_deadline(ctx: Context, host: Host, profile: Profile) -> float:
-    """How long the pull may take: timeouts.pull, or longer where the profile's files need longer at
-    timeouts.pull_speed_share of the link the host's offer advertised (vast.ai: loading "can take hours
-    with slow internet")."""
-    t = ctx.settings.timeouts
-    if host.inet_down_mbps <= 0:
-        return t.pull
-    if profile.engine == "vllm":
-        size = sum(f.size for f in (await snapshot(ctx, profile)).files)
-    else:
-        size = (await plan(ctx, profile.name)).file_bytes
-    return max(t.pull, size / (host.inet_down_mbps * 1e6 / 8 * t.pull_speed_share))

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fleet.engines.base import Engine
+from fleet.engines.registry import LLAMA_SERVER
 from fleet.probes.call import Call
 from fleet.probes.server import Server, bounded
 from fleet.probes.stream import ChatResult, Connection
@@ -99,24 +101,24 @@ async def fit_call(
     call: Call,
     share_of_ctx: float = 0.4,
     slots_started: int | None = None,
-    engine: str = "llama-server",
+    engine: Engine = LLAMA_SERVER,
     ctx_per_slot: int | None = None,
 ) -> tuple[Call, int]:
     """Cut the system prompt so it takes at most `share_of_ctx` of one slot; return (call, slots). The slots
     are what /props says, never more than `slots_started` (the -np fleet started the server with): a host
-    that claims more is not believed. vLLM has no /props: its slots and context are what fleet started it
-    with (--max-num-seqs, --max-model-len)."""
+    that claims more is not believed. An engine without /props (vLLM) has the slots and context fleet
+    started it with (--max-num-seqs, --max-model-len)."""
     async with server.client(timeout=60) as client:
-        if engine == "vllm":
-            slots, n_ctx = max(slots_started or 1, 1), ctx_per_slot or 4096
-            tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"prompt": call.system})
-        else:
+        if engine.reports_slots:
             props = (await bounded(client, "GET", "/props", deadline_s=60)).raise_for_status().json()
             slots = max(int(props.get("total_slots") or 1), 1)
             if slots_started is not None:
                 slots = min(slots, slots_started)
             n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
-            tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json={"content": call.system})
+        else:
+            slots, n_ctx = max(slots_started or 1, 1), ctx_per_slot or 4096
+        body = engine.tokenize_body(call.system)
+        tokenized = await bounded(client, "POST", "/tokenize", deadline_s=60, json=body)
         tokens = len(tokenized.raise_for_status().json()["tokens"])
     budget = int(n_ctx * share_of_ctx)
     if tokens > budget:

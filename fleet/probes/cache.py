@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from fleet.engines.base import Engine
+from fleet.engines.registry import LLAMA_SERVER
 from fleet.probes import ProbeResult
 from fleet.probes.call import Call
 from fleet.probes.renderings import CountTokens, Glue, Message, PrefixBreak, Render, check_renderings
@@ -120,14 +122,11 @@ def server_renderer(client: httpx.AsyncClient) -> Render:
     return render
 
 
-def server_token_count(client: httpx.AsyncClient, engine: str = "llama-server") -> CountTokens:
-    """The server's own tokenizer: llama-server's /tokenize takes `content`, vLLM's `prompt`."""
+def server_token_count(client: httpx.AsyncClient, engine: Engine = LLAMA_SERVER) -> CountTokens:
+    """The server's own tokenizer, asked as its engine reads /tokenize."""
 
     async def count(text: str) -> int | None:
-        if engine == "vllm":
-            body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
-        else:
-            body = {"content": text, "add_special": False}
+        body = engine.tokenize_body(text)
         r = await bounded(client, "POST", "/tokenize", deadline_s=READ_DEADLINE_S, json=body)
         return len(r.json()["tokens"]) if r.status_code == 200 else None
 
@@ -142,15 +141,15 @@ async def run_cache(
     rewrite_reply_tokens: int,
     allowance: int,
     accepted: list[str] | tuple[str, ...] = (),
-    engine: str = "llama-server",
+    engine: Engine = LLAMA_SERVER,
     template_text: str | None = None,
     block_tokens: int = 1,
 ) -> ProbeResult:
     """The renderings check, then a conversation's warm turns and a rewritten one against their cache use.
-    vLLM renders no template for a client: its renderings are the template's text rendered here (what vLLM
-    renders too), counted by its tokenizer."""
+    An engine that renders no template for a client (vLLM) has its renderings rendered here from the
+    template's text (what it renders too), counted by its tokenizer."""
     async with server.client(timeout=120) as client:
-        if engine == "vllm":
+        if not engine.renders_templates:
             if template_text is None:
                 return ProbeResult("cache", False, "the model's repository has no chat template", {})
             renderer: Render = LocalRenderer(template_text, {})

@@ -7,7 +7,7 @@ from pathlib import Path
 import asyncssh
 
 from fleet.core.config import Profile, Settings
-from fleet.engines import vllm
+from fleet.engines.registry import engine_of
 from fleet.probes import ProbeResult
 from fleet.probes.cache import run_cache
 from fleet.probes.call import load_call
@@ -46,9 +46,9 @@ async def run_probes(
                     p.rewrite_reply_tokens,
                     limits.prompt_allowance_tokens,
                     profile.accept_template_breaks,
-                    profile.engine,
+                    engine_of(profile),
                     template_text,
-                    vllm.block_tokens(profile) if profile.engine == "vllm" else 1,
+                    engine_of(profile).cache_block_tokens(profile),
                 )
             )
         elif name == "keepalive":

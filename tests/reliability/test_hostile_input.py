@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fleet.core import config
 from fleet.core.errors import FleetError
 from fleet.economics import offers
+from fleet.engines import registry
 from fleet.localcloud import tinymodels
 from fleet.market import MarketError, Offer
 from fleet.market.answers import instance_from_row
@@ -121,7 +122,7 @@ def parsed_offers(draw):
     )
 
 
-SETTINGS = config.load(ROOT / "fleet.toml")
+SETTINGS = registry.load(ROOT / "fleet.toml")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -204,7 +205,7 @@ def test_the_config_loader_loads_or_names_the_problem_in_one_line(tmp_path, edit
     path = tmp_path / "fleet.toml"
     path.write_text(text)
     try:
-        config.load(path)
+        registry.load(path)
     except config.ConfigError as e:
         message = str(e)
         assert message.startswith(str(path)) and "\n" not in message.strip()
