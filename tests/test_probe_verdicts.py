@@ -1,17 +1,20 @@
 """Probe logic on recorded inputs: SSE parsing, first-content rules, nvidia-smi, verdicts, bench pooling."""
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
+from fleet.engines.replies import ARRIVAL_SHARE, DECODE_SLACK
 from fleet.probes.bench import levels_up_to, percentile, summarize
 from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
 from fleet.probes.keepalive import judge_keepalive
 from fleet.probes.renderings import Glue, PrefixBreak
-from fleet.probes.stream import DECODE_SLACK, ChatResult, Connection, SseParser, Timing
-from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal
+from fleet.probes.server import Server
+from fleet.probes.stream import ChatResult, Connection, SseParser, Timing
+from fleet.probes.thermal import CardPoint, RatePoint, ThermalError, judge_thermal, one_caller_rate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvidia-smi-h200" / "query-gpu-csv.txt"
 STREAM = (
@@ -190,3 +193,66 @@ def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
     assert honest.decode_tok_s == 60.0
     level = summarize(2, [(1.0, [liar, honest])], one_caller_decode=None, reconnects=0)
     assert level.decode_per_caller_tok_s == pytest.approx((63 * DECODE_SLACK + 60) / 2)
+
+
+def test_a_reply_without_a_stated_rate_gives_none_when_its_tokens_came_in_a_burst():
+    """vLLM states no rate: what arrived is its rate, unless the tokens after the first arrived in under
+    ARRIVAL_SHARE of the reply's time (issue 37: a loaded client read 256 tokens "at 171,739 tok/s" and judged a
+    healthy host collapsed). A server that states its rate keeps it, bounded by what arrived."""
+    usage = {"completion_tokens": 256, "prompt_tokens": 40}
+    burst = ChatResult(status=200, timing=Timing(None, 5.0, 4998.5, 5000.0, True, first_event_ms=4998.5))
+    burst.usage = usage
+    assert burst.delivered_tok_s is not None and burst.delivered_tok_s > 100_000  # what a rate from arrival said
+    assert burst.arrival_share is not None and burst.arrival_share < ARRIVAL_SHARE
+    assert burst.decode_tok_s is None
+    streamed = ChatResult(status=200, timing=Timing(None, 5.0, 100.0, 5100.0, True, first_event_ms=100.0))
+    streamed.usage = usage
+    assert streamed.decode_tok_s == pytest.approx(255 / 5.0)
+    stated = ChatResult(status=200, timing=Timing(None, 5.0, 4998.5, 5000.0, True, first_event_ms=4998.5))
+    stated.usage, stated.server_timings = usage, {"predicted_per_second": 52.0, "predicted_n": 256}
+    assert stated.decode_tok_s == 52.0  # llama-server's own rate: a burst at the client changes nothing
+
+
+async def test_a_burst_over_a_real_socket_reads_as_no_rate_and_the_thermal_probe_asks_again():
+    """A server in vLLM's shape (usage, no timings) that holds its reply a second and sends every token in one
+    write, as a stalled client would read it: no rate, and the thermal probe's one caller asks again, then
+    says it could not measure rather than read a collapse."""
+    replies = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal replies
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            replies += 1
+            events = [{"choices": [{"delta": {"content": "x"}}]} for _ in range(64)]
+            events.append({"choices": [], "usage": {"completion_tokens": 64, "prompt_tokens": 10}})
+            body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(1.0)
+            data = body.encode()
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with server:
+            conn = Connection(Server(f"http://127.0.0.1:{port}"))
+            try:
+                result = await conn.chat({"messages": [], "max_tokens": 64})
+            finally:
+                await conn.close()
+            assert result.status == 200 and result.usage["completion_tokens"] == 64
+            assert result.delivered_tok_s is not None and result.decode_tok_s is None
+            with pytest.raises(ThermalError, match="no decode rate in 3 replies"):
+                await one_caller_rate(Server(f"http://127.0.0.1:{port}"), 64)
+            assert replies == 4
+    finally:
+        server.close()

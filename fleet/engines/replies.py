@@ -1,10 +1,11 @@
-"""What one reply says of how it was served, whichever engine served it.
+"""What one reply says of how it was served, whichever engine served it, and the one rule its decode rate is
+read by (decode_rate: the probes and the bench alike).
 
 llama-server's every completion carries `timings` (`prompt_n`, `cache_n`, `predicted_n`,
 `predicted_per_second`): prompt tokens processed, prompt tokens taken from its cache, tokens generated and
 its own decode rate. vLLM has no `timings`; its `usage` says the same counts (`prompt_tokens`,
-`prompt_tokens_details.cached_tokens`, `completion_tokens`) and no rate, which the client then measures. A
-field a reply lacks or gives in another type reads as absent, never as a crash.
+`prompt_tokens_details.cached_tokens`, `completion_tokens`) and no rate, which the client then measures from
+the tokens' arrival. A field a reply lacks or gives in another type reads as absent, never as a crash.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ class Timings:
             predicted_n=_count(t.get("predicted_n")),
             predicted_per_second=float(rate) if isinstance(rate, int | float) and rate > 0 else None,
         )
+
+
+DECODE_SLACK = 2.0  # how far a reply's stated decode may exceed what the client saw arrive
+# The least share of a reply's time (request to last byte) its tokens after the first may arrive in for their
+# arrival to read as a rate: less is a burst (a client busy elsewhere read late, at once, what the server had
+# sent over seconds: 256 tokens "at 171,739 tok/s" on a loaded machine, which judged a healthy host collapsed).
+ARRIVAL_SHARE = 0.1
+
+
+def decode_rate(served: Timings, delivered_tok_s: float | None, arrival_share: float | None) -> float | None:
+    """One reply's decode rate, or None when the reply cannot say it. A server that states its rate
+    (llama-server): that, never more than DECODE_SLACK times what arrived (a host cannot flatter its decode much
+    past what it delivered; the slack covers the client's own lag on a busy machine). A server that states none
+    (vLLM): what arrived (`delivered_tok_s`), unless it arrived in under ARRIVAL_SHARE of the reply's time
+    (`arrival_share`): never a rate from a few milliseconds of arrival."""
+    claimed = served.predicted_per_second
+    if claimed is not None:
+        return claimed if delivered_tok_s is None else min(claimed, delivered_tok_s * DECODE_SLACK)
+    if delivered_tok_s is None or arrival_share is None or arrival_share < ARRIVAL_SHARE:
+        return None
+    return delivered_tok_s
 
 
 def _count(value: object) -> int:

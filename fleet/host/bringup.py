@@ -81,7 +81,7 @@ class BringUp:
     results: list[ProbeResult] = field(default_factory=list)
     standby: bool = False  # for the standby pool: stopped once probed, STANDBY instead of READY
     resume: bool = False  # a standby host started again: no create, no download (the pull verifies), then READY
-    pull_limit_s: float = 0.0  # timeouts.pull, or longer on a slow link (profile.pull_deadline)
+    pull_limit_s: float = 0.0  # timeouts.pull, or longer on a slow link (payloads.pull_deadline)
 
     async def run(self) -> None:
         """Every phase in order, then READY (or, for the standby pool, stopped and STANDBY). Raises PhaseFailed

@@ -21,11 +21,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fleet.core.errors import FleetError
-from fleet.engines.replies import Timings
+from fleet.engines.replies import Timings, decode_rate
 from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
-DECODE_SLACK = 2.0  # how far a reply's claimed decode may exceed what this client saw arrive
 MAX_BODY = 16 << 20  # bytes of one answer: a long streamed reply is a few hundred kB
 
 
@@ -110,16 +109,18 @@ class ChatResult:
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
 
     @property
+    def arrival_share(self) -> float | None:
+        """The share of this reply's time (request to last byte) its tokens after the first arrived in."""
+        first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
+        if first is None or self.timing.total_ms <= 0:
+            return None
+        return max(self.timing.total_ms - first, 0.0) / self.timing.total_ms
+
+    @property
     def decode_tok_s(self) -> float | None:
-        """The server's decode rate for this reply, never more than DECODE_SLACK times what arrived here. A
-        host cannot flatter its decode much past what it delivered; the slack covers this client's own lag
-        on a busy machine. A server that states no rate (vLLM) is measured by what arrived."""
-        claimed, delivered = self.served.predicted_per_second, self.delivered_tok_s
-        if claimed is None:
-            return delivered
-        if delivered is None:
-            return claimed
-        return min(claimed, delivered * DECODE_SLACK)
+        """This reply's decode rate as fleet/engines/replies.py's decode_rate reads it: the server's own,
+        bounded by what arrived, or what arrived where the server states none and it did not come in a burst."""
+        return decode_rate(self.served, self.delivered_tok_s, self.arrival_share)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""
