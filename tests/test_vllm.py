@@ -19,7 +19,7 @@ from fleet.control.up import UpRequest
 from fleet.core.config import Serve
 from fleet.core.models import HostState, as_utc
 from fleet.economics import report
-from fleet.engines import vllm
+from fleet.engines import registry, vllm
 from fleet.engines.metrics import requests_in_flight
 from fleet.host.endpoints import publish
 from fleet.localcloud import tinyhf, toolchain
@@ -124,10 +124,20 @@ async def test_the_cache_probe_on_vllm_fails_a_template_that_rewrites_history(fl
     profile = fleet.settings.profile(MODEL)
     call = load_call().with_system_chars(profile.probes.system_chars)
     result = await run_cache(
-        fleet.server(host), call, 3, 8, 0, 24, engine="vllm", template_text=REWRITING_TEMPLATE, block_tokens=32
+        fleet.server(host),
+        call,
+        3,
+        8,
+        0,
+        24,
+        engine=registry.ENGINES["vllm"],
+        template_text=REWRITING_TEMPLATE,
+        block_tokens=32,
     )
     assert not result.passed and "rewrites history" in result.diagnosis, result
-    refused = await run_cache(fleet.server(host), call, 3, 8, 0, 24, engine="vllm", template_text=None)
+    refused = await run_cache(
+        fleet.server(host), call, 3, 8, 0, 24, engine=registry.ENGINES["vllm"], template_text=None
+    )
     assert not refused.passed and "no chat template" in refused.diagnosis
 
 

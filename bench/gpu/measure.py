@@ -15,6 +15,10 @@
            difference at a time (decode_path.py)
   thermal  `fleet up`, then `fleet probe HOST --only thermal` for the profile's 5 minutes, with the raw
            nvidia-smi query captured beside it (the parser fixture) and `nvidia-smi -q` under load.
+  calls    the a4b replica with its MTP draft (random blocks) through `fleet up` with as many slots as the card
+           holds (fill_card), then calls in conversation at CALLS_LEVELS through `fleet gateway` and directly,
+           and speakers at CALLS_SPEAKERS on both paths: calls per card at the voice target, $/voice-minute at
+           the H200 offer's price, the gateway's added first content and its throughput ratio.
 
 Writes everything under $OUT and prints a markdown table last. Needs: the environment bench/gpu/run sets.
 """
@@ -34,6 +38,8 @@ from pathlib import Path
 import gguf
 import served
 
+from fleet.core.config import VoiceTarget
+from fleet.economics.capacity import capacity, judge_level, usd_per_voice_minute
 from fleet.engines import registry
 from fleet.engines.llama_server import profile_args
 from fleet.localcloud import control, replicas
@@ -41,6 +47,8 @@ from fleet.localcloud.bigmodels import NEMO_12B
 from fleet.plan.allocations import Allocations, parse_buffer_lines
 from fleet.plan.gguf import read_local
 from fleet.plan.memory import MIB, PlanSettings, cache_settings_from_args, make_plan
+from fleet.probes.bench import LevelResult
+from fleet.probes.conversation import CallsLevel
 from fleet.probes.gpu import QUERY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,20 +138,21 @@ def batched_bench(depth: int, callers: list[int]) -> dict[int, float]:
     return {int(r["pl"]): float(r["speed_tg"]) / int(r["pl"]) for r in rows}
 
 
-def start_cloud() -> None:
+def start_cloud(publish: dict[str, Path] | None = None) -> None:
+    """The local cloud offering the card; its hub serves the generated model and `publish`'s repositories."""
     state = control.default_state_dir()
     control.start(
         state,
         offers_dir=REPO / "bench" / "gpu" / "offers",
         hub_bytes_per_s=1 << 30,  # per connection: the hub is this machine's loopback
-        publish={"fleet-local/gpu-models": MODEL.parent},
-        timeout_s=300,
+        publish={"fleet-local/gpu-models": MODEL.parent, **(publish or {})},
+        timeout_s=600,  # the hub hashes what it publishes before it answers: 17 GB of a4b is ~1 min
     )
 
 
-def up() -> tuple[str, float]:
+def up(profile: str = PROFILE) -> tuple[str, float]:
     started = time.monotonic()
-    result = fleet("up", "--model", PROFILE, "--region", "eu", "--json", timeout=900)
+    result = fleet("up", "--model", profile, "--region", "eu", "--json", timeout=900)
     seconds = time.monotonic() - started
     ready = json.loads(result.stdout)["ready"]
     log(f"fleet up: {ready[0]} READY in {seconds:.0f} s")
@@ -551,6 +560,96 @@ def _plan_row(record: dict, planned, found, used: int | None) -> str:
     )
 
 
+CALLS_PROFILE = "h200-a4b"  # bench/gpu/fleet.toml: the a4b profile's flags and files, filling the card
+CALLS_TURNS = 2  # measured turns a call, after its cold one, each after the profile's turn gap (8 s)
+CALLS_TOKENS = 80  # a reply, as our users' sweep asked for
+
+
+def _levels(name: str, default: str) -> list[int]:
+    return [int(n) for n in os.environ.get(name, default).split(",") if n.strip()]
+
+
+def calls() -> None:
+    """The a4b replica on the card with as many slots as it holds; calls and speakers through the gateway and
+    directly (served.calls), and the table."""
+    settings = registry.load(os.environ["FLEET_CONFIG"])
+    profile = settings.profile(CALLS_PROFILE)
+    by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
+    directory = G / "a4b"
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in profile.files:
+        replicas.write(by_name[(f.repo, f.file)], directory / f.file, fill=True)
+    log(f"a4b: wrote {', '.join(f.file for f in profile.files)} with random blocks")
+    repos = {f.repo for f in profile.files}
+    start_cloud({repo: directory for repo in repos})
+    try:
+        host, seconds = up(CALLS_PROFILE)
+        levels, speakers = _levels("CALLS_LEVELS", "8,16,32,64"), _levels("CALLS_SPEAKERS", "8,32,64")
+        rows = served.calls(host, levels, speakers, CALLS_TURNS, CALLS_TOKENS)
+        rows["up_s"] = seconds
+        (OUT / "calls.json").write_text(json.dumps(rows, indent=1))
+        text = calls_table(rows, profile.voice)
+        (OUT / "calls.md").write_text(text)
+        print(text)
+    finally:
+        tear_down()
+
+
+def calls_table(rows: dict, target: VoiceTarget) -> str:
+    """Calls per card at the voice target on each path, with the levels; the gateway's added first content and
+    throughput ratio at the speaker levels."""
+    lines = [f"`{rows['host']}`: {rows['slots']} slots, ${rows['usd_per_hour']:.3f}/h, READY in {rows['up_s']:.0f} s",
+             "", "| calls | path | first content p50 / p95 ms | decode tok/s a call | waited | peak in flight | duty "
+             "| at target |", "|---:|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    held = {}
+    for path, found in rows["calls"].items():
+        levels = {lv["calls"]: CallsLevel(**lv) for lv in found}
+        for n, lv in sorted(levels.items()):
+            why = judge_level(lv, target)
+            lines.append(f"| {n} | {path} | {_ms(lv.first_content_p50_ms)} / {_ms(lv.first_content_p95_ms)} | "
+                         f"{_num(lv.decode_per_caller_tok_s)} | {lv.waited} | {lv.peak_in_flight} | {_num(lv.duty, 2)} "
+                         f"| {why or 'yes'} |")  # fmt: skip
+        held[path] = capacity(levels, target, max(levels, default=0)) if levels else None
+    lines.append("")
+    for path, found in held.items():
+        if found is None:
+            continue
+        cost = usd_per_voice_minute(rows["usd_per_hour"], found.callers)
+        more = " (every level measured held: more may)" if found.exhausted else ""
+        lines.append(f"- {path}: **{found.callers} calls** at the target{more}; "
+                     f"${cost:.4f} a voice-minute" if cost else f"- {path}: no level held the target")  # fmt: skip
+    lines += ["", "| speakers | first content p50 / p95 / p99 ms, gateway | direct | added p50 / p99 ms "
+              "| throughput gateway / direct |", "|---:|---|---|---|---:|"]  # fmt: skip
+    gateway_levels = {lv["callers"]: LevelResult(**lv) for lv in rows["speakers"].get("gateway", [])}
+    for lv in rows["speakers"].get("host", []):
+        d, g = LevelResult(**lv), gateway_levels.get(lv["callers"])
+        if g is None:
+            continue
+        added = [
+            _diff(g.first_content_p50_ms, d.first_content_p50_ms),
+            _diff(g.first_content_p99_ms, d.first_content_p99_ms),
+        ]
+        lines.append(f"| {d.callers} | {_ms(g.first_content_p50_ms)} / {_ms(g.first_content_p95_ms)} / "
+                     f"{_ms(g.first_content_p99_ms)} | {_ms(d.first_content_p50_ms)} / {_ms(d.first_content_p95_ms)} / "
+                     f"{_ms(d.first_content_p99_ms)} | {' / '.join(added)} | "
+                     f"{_ratio_of(g.throughput_tok_s, d.throughput_tok_s)} |")  # fmt: skip
+    lines += ["", "Our users' sweep beside it (vLLM, Gemma 4 26B-A4B NVFP4 on an RTX PRO 6000, 96 GB, 80-token "
+              "replies): concurrency 12-48, first content p50 127-271 ms."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _diff(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a - b:+.1f}"
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "replan":
         LOGS.mkdir(parents=True, exist_ok=True)
@@ -561,4 +660,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "slots":
         slots(sys.argv[2:])
     else:
-        {"decode": decode, "thermal": thermal, "path": path, "alone": alone}[sys.argv[1]]()
+        {"decode": decode, "thermal": thermal, "path": path, "alone": alone, "calls": calls}[sys.argv[1]]()

@@ -22,6 +22,7 @@ from fleet.engines import registry
 from fleet.localcloud.llamaproc import llama_server
 from fleet.probes.bench import LevelResult, fit_call, levels_up_to, run_bench, run_level
 from fleet.probes.call import load_call
+from fleet.probes.conversation import converse
 from fleet.probes.server import Server
 
 MAX_TOKENS = 128
@@ -80,4 +81,44 @@ async def _through_gateway(host_name: str, most: int) -> dict[str, list[dict[str
                 one = one or level.decode_per_caller_tok_s
                 found.append(level.as_dict())
             rows[path] = found
+        return rows
+
+
+def calls(host_name: str, levels: list[int], speakers: list[int], turns: int, max_tokens: int) -> dict[str, Any]:
+    """The `calls` mode's rows: calls in conversation (fleet/probes/conversation.py, each call named so the
+    gateway pins it) at each of `levels` through `fleet gateway` and then directly on the same host, one path
+    after the other at each level; then speakers (every caller speaking at once, no gap) at each of `speakers`
+    on both paths, for the gateway's added first content and its throughput ratio. Levels past the host's
+    slots are left out: a call beyond them shares a slot and loses its cache."""
+    return asyncio.run(_calls(host_name, levels, speakers, turns, max_tokens))
+
+
+async def _calls(host_name: str, levels: list[int], speakers: list[int], turns: int, max_tokens: int) -> dict[str, Any]:
+    async with open_fleet(registry.load()) as fleet:
+        host = fleet.record.hosts(names=[host_name])[0]
+        profile = fleet.settings.profile(host.model)
+        started = await gateway.start(fleet)
+        key = await gateway.add_key(fleet, "gpu-bench-calls")
+        target = next(t for t in started["targets"] if t["model"] == host.model)
+        url = target["base_url"].removesuffix("/v1")
+        direct = fleet.server(host)
+        call, slots = await fit_call(
+            direct, load_call().with_system_chars(profile.probes.system_chars), slots_started=host.slots
+        )
+        paths = (("gateway", Server(url, key, fleet.tls)), ("host", direct))
+        rows: dict[str, Any] = {"host": host_name, "slots": slots, "usd_per_hour": host.effective_usd_per_hour}
+        rows["calls"] = {path: [] for path, _ in paths}
+        rows["speakers"] = {path: [] for path, _ in paths}
+        gap = profile.voice.turn_gap_s
+        for n in (n for n in levels if n <= slots):
+            for path, server in paths:
+                level = await converse(server, call, n, turns, max_tokens, gap, slots, named=True)
+                rows["calls"][path].append(level.as_dict())
+                print(f"calls {n} via {path}: {level.as_dict()}", flush=True)
+        for n in (n for n in speakers if n <= slots):
+            for path, server in paths:
+                level = await run_level(server, call, n, WAVES, 1, max_tokens, None)
+                rows["speakers"][path].append(level.as_dict())
+                print(f"speakers {n} via {path}: {level.as_dict()}", flush=True)
+        await gateway.stop(fleet)
         return rows

@@ -36,6 +36,7 @@ class LevelResult:
     cache_reuse: float | None  # median cache_n / prompt_tokens of measured turns
     reconnects: int
     prompt_tokens: float | None = None  # median prompt of measured turns: the context depth callers decode at
+    first_content_p99_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +94,7 @@ def summarize(
         cache_reuse=statistics.median(reuse) if reuse else None,
         reconnects=reconnects,
         prompt_tokens=statistics.median(prompts) if prompts else None,
+        first_content_p99_ms=percentile(firsts, 0.99),
     )
 
 
@@ -127,19 +129,24 @@ async def fit_call(
 
 
 class Caller:
-    def __init__(self, server: Server, call: Call, offset: int, max_tokens: int) -> None:
+    """One call's turns on one connection. `user`: the call's name in every request (OpenAI's `user`), by which a
+    gateway pins a call's turns to one host as a voice framework's session would."""
+
+    def __init__(self, server: Server, call: Call, offset: int, max_tokens: int, user: str | None = None) -> None:
         self.conn = Connection(server)
         self.call = call
         self.turn = offset
         self.max_tokens = max_tokens
+        self.user = user
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": call.system}]
 
     async def speak(self) -> ChatResult:
         self.messages.append({"role": "user", "content": self.call.user_turns[self.turn % len(self.call.user_turns)]})
         self.turn += 1
-        result = await self.conn.chat(
-            {"messages": self.messages, "tools": self.call.tools, "max_tokens": self.max_tokens, "temperature": 0}
-        )
+        body = {"messages": self.messages, "tools": self.call.tools, "max_tokens": self.max_tokens, "temperature": 0}
+        if self.user is not None:
+            body["user"] = self.user
+        result = await self.conn.chat(body)
         self.messages.append({"role": "assistant", "content": result.content})
         return result
 

@@ -84,10 +84,22 @@ def gaps(call_index: int, turns: int, mean_s: float, seed: int = 0) -> list[floa
 
 
 async def converse(
-    server: Server, call: Call, calls: int, turns: int, max_tokens: int, gap_s: float, slots: int, seed: int = 0
+    server: Server,
+    call: Call,
+    calls: int,
+    turns: int,
+    max_tokens: int,
+    gap_s: float,
+    slots: int,
+    seed: int = 0,
+    named: bool = False,
 ) -> CallsLevel:
-    """`calls` calls in conversation for `turns` measured turns each, after a cold turn each."""
-    people = [Caller(server, call, offset=i * 3, max_tokens=max_tokens) for i in range(calls)]
+    """`calls` calls in conversation for `turns` measured turns each, after a cold turn each; `named`: each
+    call sends its name (`user`), as through a gateway that pins a call's turns to its host."""
+    people = [
+        Caller(server, call, offset=i * 3, max_tokens=max_tokens, user=f"call-{seed}-{i}" if named else None)
+        for i in range(calls)
+    ]
     measured: list[Turn] = []
     in_flight = 0
     spans: list[float] = []
