@@ -1,5 +1,6 @@
-"""What a host serves. Each engine module says, for its server, the argv from a profile, and how a reply
-reports its timings and cache use; probes and the gateway ask the engine, nothing else knows its flags.
+"""What a host serves. Each engine is one module keeping base.py's contract (its payload, image, argv, profile
+rules, and how its replies, /props, /tokenize and cache read), named in registry.py; every other layer asks
+`registry.engine_of(profile)` and never which engine it holds, nor knows its flags.
 
 Every engine's files on a host live under one layout, which the image's host scripts share."""
 
