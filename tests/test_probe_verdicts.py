@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.engines.replies import ARRIVAL_SHARE, DECODE_SLACK
+from fleet.engines.replies import DECODE_SLACK
 from fleet.probes.bench import levels_up_to, percentile, summarize
 from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
@@ -14,7 +14,7 @@ from fleet.probes.keepalive import judge_keepalive
 from fleet.probes.renderings import Glue, PrefixBreak
 from fleet.probes.server import Server
 from fleet.probes.stream import ChatResult, Connection, SseParser, Timing
-from fleet.probes.thermal import CardPoint, RatePoint, ThermalError, judge_thermal, one_caller_rate
+from fleet.probes.thermal import CardPoint, RatePoint, judge_thermal, one_caller_rate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nvidia-smi-h200" / "query-gpu-csv.txt"
 STREAM = (
@@ -195,28 +195,30 @@ def test_a_replys_claimed_decode_is_bounded_by_what_arrived():
     assert level.decode_per_caller_tok_s == pytest.approx((63 * DECODE_SLACK + 60) / 2)
 
 
-def test_a_reply_without_a_stated_rate_gives_none_when_its_tokens_came_in_a_burst():
-    """vLLM states no rate: what arrived is its rate, unless the tokens after the first arrived in under
-    ARRIVAL_SHARE of the reply's time (issue 37: a loaded client read 256 tokens "at 171,739 tok/s" and judged a
-    healthy host collapsed). A server that states its rate keeps it, bounded by what arrived."""
+def test_a_reply_without_a_stated_rate_is_read_over_its_whole_time_never_by_its_burst():
+    """vLLM states no rate: its tokens over the reply's whole time (request to last byte) are its rate, a bound
+    below its decode, whether they streamed or came in one piece (issue 37: a loaded client read 256 tokens
+    "at 171,739 tok/s" and judged a healthy host collapsed). A server that states its rate keeps it, bounded by
+    what arrived."""
     usage = {"completion_tokens": 256, "prompt_tokens": 40}
     burst = ChatResult(status=200, timing=Timing(None, 5.0, 4998.5, 5000.0, True, first_event_ms=4998.5))
     burst.usage = usage
-    assert burst.delivered_tok_s is not None and burst.delivered_tok_s > 100_000  # what a rate from arrival said
-    assert burst.arrival_share is not None and burst.arrival_share < ARRIVAL_SHARE
-    assert burst.decode_tok_s is None
+    assert burst.delivered_tok_s is not None and burst.delivered_tok_s > 100_000  # what arrival said
+    assert burst.decode_tok_s == pytest.approx(256 / 5.0)
     streamed = ChatResult(status=200, timing=Timing(None, 5.0, 100.0, 5100.0, True, first_event_ms=100.0))
     streamed.usage = usage
-    assert streamed.decode_tok_s == pytest.approx(255 / 5.0)
+    assert streamed.decode_tok_s == pytest.approx(256 / 5.1)
     stated = ChatResult(status=200, timing=Timing(None, 5.0, 4998.5, 5000.0, True, first_event_ms=4998.5))
     stated.usage, stated.server_timings = usage, {"predicted_per_second": 52.0, "predicted_n": 256}
     assert stated.decode_tok_s == 52.0  # llama-server's own rate: a burst at the client changes nothing
+    empty = ChatResult(status=200, timing=Timing(None, 5.0, None, 10.0, True))
+    assert empty.decode_tok_s is None
 
 
-async def test_a_burst_over_a_real_socket_reads_as_no_rate_and_the_thermal_probe_asks_again():
+async def test_a_burst_over_a_real_socket_reads_as_the_whole_replys_rate_in_the_thermal_probe():
     """A server in vLLM's shape (usage, no timings) that holds its reply a second and sends every token in one
-    write, as a stalled client would read it: no rate, and the thermal probe's one caller asks again, then
-    says it could not measure rather than read a collapse."""
+    write, as vLLM's CPU build did under load: the thermal probe's one caller reads its 64 tokens over the
+    whole second, not the thousands of tokens a second their arrival says."""
     replies = 0
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -250,9 +252,9 @@ async def test_a_burst_over_a_real_socket_reads_as_no_rate_and_the_thermal_probe
             finally:
                 await conn.close()
             assert result.status == 200 and result.usage["completion_tokens"] == 64
-            assert result.delivered_tok_s is not None and result.decode_tok_s is None
-            with pytest.raises(ThermalError, match="no decode rate in 3 replies"):
-                await one_caller_rate(Server(f"http://127.0.0.1:{port}"), 64)
-            assert replies == 4
+            assert result.delivered_tok_s is not None and result.delivered_tok_s > 1000
+            assert result.decode_tok_s is not None and 10 < result.decode_tok_s <= 64
+            rate = await one_caller_rate(Server(f"http://127.0.0.1:{port}"), 64)
+            assert 10 < rate <= 64 and replies == 2
     finally:
         server.close()

@@ -63,11 +63,6 @@ TRANSITIONS: dict[HostState, frozenset[HostState]] = {
 }
 
 
-def sources_of(target: HostState) -> tuple[HostState, ...]:
-    """The states a host may move to `target` from."""
-    return tuple(state for state, targets in TRANSITIONS.items() if target in targets)
-
-
 # A host on its way to READY, and one in the standby pool (stopped on purpose, still ours and billed).
 COMING_UP = (
     HostState.CREATING,

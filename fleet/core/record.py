@@ -19,6 +19,7 @@ from sqlmodel import Session, SQLModel, col, create_engine, select
 
 from fleet.core.errors import FleetError
 from fleet.core.models import (
+    TRANSITIONS,
     Attempt,
     BenchRun,
     Blacklist,
@@ -29,7 +30,6 @@ from fleet.core.models import (
     JobRun,
     MarketPace,
     ProbeRun,
-    sources_of,
     utcnow,
 )
 from fleet.core.ownership import owner_is_dead, process_owner
@@ -241,12 +241,16 @@ class Record:
             host.owner, host.lease_until = None, None
 
     def transition(self, host: Host, to: HostState, **changes: object) -> bool:
-        """Move the host to `to`, compare-and-set: only from a state TRANSITIONS allows and only while the bill
-        is open. False (nothing written) when another process moved it first."""
+        """Move the host to `to`, compare-and-set: only from the state this process last saw it in (`host.state`),
+        only where TRANSITIONS allows that move, and only while the bill is open. False (nothing written) when
+        another process moved it first: a move judged on what the host was is not applied to what it is now (a
+        reconcile that read a host being probed does not fail it once it serves)."""
+        if to not in TRANSITIONS[HostState(host.state)]:
+            return False
         applied = self._cas(
             host,
             {"state": to, **changes},
-            col(Host.state).in_(sources_of(to)),
+            col(Host.state) == host.state,
             col(Host.destroyed_at).is_(None),
         )
         if applied:

@@ -94,9 +94,19 @@ async def contained_fail(ctx: Context, host: Host, phase: str, reason: str, blac
 
 async def fail(ctx: Context, host: Host, phase: str, reason: str, blacklist: bool) -> None:
     """The bring-up failed: record why, blacklist the machine, destroy what this attempt created. The
-    bill closes only once the marketplace confirms the instance gone; until then reconcile sees it."""
+    bill closes only once the marketplace confirms the instance gone; until then reconcile sees it. A host
+    another process moved on since this one read it (it served, or that process is failing or destroying it)
+    is left to that process: nothing is failed, blacklisted or destroyed here."""
+    seen = host.state
+    if host.destroyed_at is None and not ctx.record.transition(
+        host, HostState.FAILED, failed_phase=phase, failure_reason=reason
+    ):
+        now = ctx.record.hosts(names=[host.name])
+        state = HostState(now[0].state).value if now else "gone"
+        detail = {"phase": phase, "reason": reason, "seen": HostState(seen).value, "now": state}
+        ctx.record.event("info", "fail_refused", json.dumps(detail), host.id)
+        return
     ctx.record.event("error", "phase", json.dumps({"phase": phase, "reason": reason}), host.id)
-    ctx.record.transition(host, HostState.FAILED, failed_phase=phase, failure_reason=reason)
     if blacklist:
         blacklist_machine(ctx, host, phase, reason)
     end_attempt(ctx, host, phase, reason)

@@ -98,29 +98,33 @@ class ChatResult:
         """What arrived here: the tokens the server counts (no more than were asked for) after the first, over
         this clock's time from the first event (the first token, whether or not it was text yet: vLLM holds
         back bytes that do not decode yet) to the end; None when that says nothing."""
-        tokens = self.usage.get("completion_tokens") or self.served.predicted_n
-        if not isinstance(tokens, int) or isinstance(tokens, bool):
-            tokens = self.served.predicted_n
-        if self.max_tokens is not None:
-            tokens = min(tokens, self.max_tokens)
+        tokens = self._tokens()
         first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
         if first is None or tokens < 2 or self.timing.total_ms <= first:
             return None
         return (tokens - 1) / ((self.timing.total_ms - first) / 1000)
 
+    def _tokens(self) -> int:
+        """The tokens the server counts for this reply, no more than the request asked for."""
+        tokens = self.usage.get("completion_tokens") or self.served.predicted_n
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            tokens = self.served.predicted_n
+        return min(tokens, self.max_tokens) if self.max_tokens is not None else tokens
+
     @property
-    def arrival_share(self) -> float | None:
-        """The share of this reply's time (request to last byte) its tokens after the first arrived in."""
-        first = self.timing.first_event_ms if self.timing.first_event_ms is not None else self.timing.first_content_ms
-        if first is None or self.timing.total_ms <= 0:
+    def whole_tok_s(self) -> float | None:
+        """The tokens the server counts (no more than were asked for) over this reply's whole time, from the
+        request to the last byte; None when that says nothing."""
+        tokens = self._tokens()
+        if tokens < 1 or self.timing.total_ms <= 0:
             return None
-        return max(self.timing.total_ms - first, 0.0) / self.timing.total_ms
+        return tokens / (self.timing.total_ms / 1000)
 
     @property
     def decode_tok_s(self) -> float | None:
         """This reply's decode rate as fleet/engines/replies.py's decode_rate reads it: the server's own,
-        bounded by what arrived, or what arrived where the server states none and it did not come in a burst."""
-        return decode_rate(self.served, self.delivered_tok_s, self.arrival_share)
+        bounded by what arrived; where the server states none, its tokens over the whole reply."""
+        return decode_rate(self.served, self.delivered_tok_s, self.whole_tok_s)
 
     def as_response(self) -> dict[str, Any]:
         """The shape of a non-streamed response, for verdicts written against that."""

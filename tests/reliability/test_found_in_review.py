@@ -16,6 +16,7 @@ from fleet.control.up import UpRequest
 from fleet.core.config import Traffic
 from fleet.core.models import HostState
 from fleet.engines.metrics import requests_in_flight
+from fleet.host import teardown
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import listed_instances, polite
 
@@ -57,6 +58,32 @@ async def test_reconcile_in_another_process_leaves_a_bring_up_in_flight_alone(cl
         assert len(result.ready) == 1 and [a.outcome for a in result.attempts] == ["ready"]
         assert fleet.record.blacklist() == []
         await fleet.destroy(None)
+
+
+async def test_a_failure_judged_on_a_stale_view_leaves_a_host_that_moved_on_serving(cloud, tmp_path):
+    """A process that read a host while it was being probed (a reconcile that took it as interrupted, a
+    bring-up preempted) and fails it after another process made it READY: the compare-and-set is against the
+    state it saw, so the failure is refused, and the host goes on serving with its instance and its machine
+    untouched (CI once saw a served host destroyed as "bring-up interrupted in probing")."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        stale = fleet.record.hosts(names=[host.name])[0]
+        stale.state = HostState.PROBING  # what the other process read before the bring-up finished
+        await teardown.fail(fleet, stale, "probing", "bring-up interrupted in probing", blacklist=False)
+        now = fleet.record.hosts(names=[host.name])[0]
+        assert (now.state, now.destroyed_at, now.failure_reason) == (HostState.READY, None, None)
+        assert fleet.record.blacklist() == []
+        async with cloud.client() as api:
+            assert host.instance_id in [i["id"] for i in await listed_instances(api)]
+        async with fleet.server(now).client(timeout=30) as client:
+            assert (await client.get("/health")).status_code == 200
+        refused = [e for e in fleet.record.events(host.id) if e.action == "fail_refused"]
+        assert len(refused) == 1 and json.loads(refused[0].detail)["now"] == "ready"
+        # the same failure on what the host is now is applied: it is failed and its instance destroyed
+        await teardown.fail(fleet, now, "health", "gone quiet", blacklist=False)
+        assert fleet.record.hosts(names=[host.name])[0].state == HostState.FAILED
+        async with cloud.client() as api:
+            assert host.instance_id not in [i["id"] for i in await listed_instances(api)]
 
 
 async def test_reconcile_leaves_a_draining_host_to_the_process_draining_it(cloud, tmp_path):
