@@ -241,10 +241,9 @@ class Record:
             host.owner, host.lease_until = None, None
 
     def transition(self, host: Host, to: HostState, **changes: object) -> bool:
-        """Move the host to `to`, compare-and-set: only from the state this process last saw it in (`host.state`),
-        only where TRANSITIONS allows that move, and only while the bill is open. False (nothing written) when
-        another process moved it first: a move judged on what the host was is not applied to what it is now (a
-        reconcile that read a host being probed does not fail it once it serves)."""
+        """Move the host to `to`, compare-and-set: only from the state this process saw (`host.state`), where
+        TRANSITIONS allows, while the bill is open. False (nothing written) when another process moved it first:
+        a move judged on what the host was is not applied to what it is now."""
         if to not in TRANSITIONS[HostState(host.state)]:
             return False
         applied = self._cas(
