@@ -247,10 +247,7 @@ class Record:
         if to not in TRANSITIONS[HostState(host.state)]:
             return False
         applied = self._cas(
-            host,
-            {"state": to, **changes},
-            col(Host.state) == host.state,
-            col(Host.destroyed_at).is_(None),
+            host, {"state": to, **changes}, col(Host.state) == host.state, col(Host.destroyed_at).is_(None)
         )
         if applied:
             host.state = to
