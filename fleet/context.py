@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -27,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 from fleet.core.apikeys import ensure_secret, host_api_key
 from fleet.core.config import ConfigError, Settings
 from fleet.core.keys import SshKey, ensure_key
+from fleet.core.marketpace import claim_turn, release_turn
 from fleet.core.models import LABEL_PREFIX, Host
 from fleet.core.ownership import process_owner
 from fleet.core.record import Record, open_database
@@ -111,6 +113,26 @@ class Leases:
             self._renewal.cancel()
 
 
+class InstallBudget:
+    """The marketplace's `Budget` (fleet/market/pacing.py) in this install's record, which the daemon and every
+    command beside it draw on (fleet/core/marketpace.py)."""
+
+    def __init__(self, record: Record, market_url: str, request_timeout_s: float) -> None:
+        self._record = record
+        self._url = market_url.rstrip("/")
+        self._request_timeout_s = request_timeout_s
+
+    async def claim(self, endpoint: str, pace: Pace) -> tuple[float | None, float]:
+        # a call in flight holds the turn at most its request's timeout and interval (its process may die)
+        hold = self._request_timeout_s + pace.interval_s
+        claim = partial(claim_turn, self._record, f"{endpoint} {self._url}", pace.interval_s, pace.per_minute)
+        return await asyncio.to_thread(claim, time.time(), hold)
+
+    async def release(self, endpoint: str, pace: Pace, token: float) -> None:
+        release = partial(release_turn, self._record, f"{endpoint} {self._url}", token, pace.interval_s)
+        await asyncio.to_thread(release, time.time())
+
+
 class Context:
     """What a controller or a host step works with; see the module's docstring. The marketplace (and with it,
     for the local provider, the local cloud) and fleet's SSH key are opened the first time a step needs them:
@@ -162,7 +184,7 @@ class Context:
                 endpoint.url,
                 endpoint.api_key,
                 timeout_s=provider.request_timeout_s,
-                budget=self._reserve_call,
+                budget=InstallBudget(self.record, endpoint.url, provider.request_timeout_s),
                 rate_limited_wait_s=provider.rate_limited_wait_s,
             )
             self._hub_url = self._hub_url or self.settings.hub_url(endpoint.local_cloud_url).rstrip("/")
@@ -193,15 +215,6 @@ class Context:
     @watch.setter
     def watch(self, watch: InstanceWatch) -> None:
         self._watch = watch
-
-    async def _reserve_call(self, endpoint: str, pace: Pace) -> float:
-        """Seconds until this install's next call to the marketplace's `endpoint` may start: reserved in the record,
-        which every process of the install (the daemon, the commands beside it) draws on."""
-        assert self._market is not None
-        key = f"{endpoint} {self._market.url}"
-        now = time.time()
-        start = await asyncio.to_thread(self.record.reserve_market_call, key, pace.interval_s, pace.per_minute, now)
-        return start - time.time()
 
     @property
     def ssh_key(self) -> SshKey:

@@ -116,3 +116,12 @@ async def test_two_daemons_share_postgres_without_doubling_work(cloud, postgres_
     assert sum(t.count("skipped") for t in texts) >= 1
     assert len(replacements) == 1 and states[old["name"]] == "destroyed"
     assert fleet(env, "destroy", "--all", "--yes").returncode == 0
+
+
+def test_turns_at_the_marketplace_on_postgres(postgres_url):
+    from fleet.core.record import Record
+    from tests.test_market_turns import check_turns
+
+    engine = db.open_database(postgres_url)
+    check_turns(Record(engine))
+    engine.dispose()

@@ -299,13 +299,15 @@ class Install(SQLModel, table=True):
 
 
 class MarketPace(SQLModel, table=True):
-    """When this install may next call one marketplace endpoint (epoch seconds), and the start times of its
-    latest calls where the endpoint counts calls a minute: every process of the install reserves from it."""
+    """One marketplace endpoint's turn for every process of the install (fleet/core/marketpace.py), in epoch
+    seconds: when its next call may start, until when a call in flight holds it, the starts of its latest calls
+    where the endpoint counts calls a minute."""
 
     __tablename__ = "market_pace"
 
     key: str = Field(primary_key=True)  # the endpoint and the marketplace's URL
     next_at: float = 0.0
+    held_until: float = 0.0  # a call in flight, until its answer (or, when its process died, this time)
     recent: str = "[]"  # JSON: epoch seconds of the calls within the last minute
 
 

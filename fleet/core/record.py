@@ -28,7 +28,6 @@ from fleet.core.models import (
     HostState,
     Install,
     JobRun,
-    MarketPace,
     ProbeRun,
     utcnow,
 )
@@ -138,7 +137,7 @@ def session(engine: Engine) -> Session:
 
 ADVISORY_BASE = 0x666C6565 << 20  # "flee": keeps fleet's advisory keys apart from other users of the database
 CAPS_LOCK = ADVISORY_BASE  # PostgreSQL: held while one process checks the caps and writes its intent
-PACE_LOCK = ADVISORY_BASE + 1  # PostgreSQL: held while one process reserves a marketplace call
+PACE_LOCK = ADVISORY_BASE + 1  # PostgreSQL: held while one process takes a marketplace turn (marketpace.py)
 
 
 class CapReached(FleetError):
@@ -363,25 +362,6 @@ class Record:
             s.execute(sql_update(Install).where(col(Install.ca_sha256).is_(None)).values(ca_sha256=sha256))
             s.commit()
             return s.exec(select(Install.ca_sha256)).one() or sha256
-
-    def reserve_market_call(self, key: str, interval_s: float, per_minute: int, now: float) -> float:
-        """The time (epoch seconds) at which this install's next call to the endpoint `key` may start, reserved
-        for the caller in one transaction no other process interleaves: calls `interval_s` apart at least, and
-        at most `per_minute` (when set) in any minute."""
-        with session(self.engine) as s:
-            if is_postgres(self.engine):
-                s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PACE_LOCK})
-            row = s.get(MarketPace, key) or MarketPace(key=key)
-            start = max(now, row.next_at)
-            recent = sorted(t for t in json.loads(row.recent) if t > start - 60.0)
-            if per_minute and len(recent) >= per_minute:
-                start = max(start, recent[-per_minute] + 60.0)
-                recent = [t for t in recent if t > start - 60.0]
-            row.next_at = start + interval_s
-            row.recent = json.dumps([*recent, start][-per_minute:] if per_minute else [])
-            s.add(row)
-            s.commit()
-            return start
 
     def claim_tick(self, job: str, tick: int, daemon: str) -> str | None:
         """Claim `job` at `tick` for `daemon`: None when it got it, else the daemon that had it first."""

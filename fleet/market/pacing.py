@@ -6,8 +6,9 @@ measures each interval from the moment the previous answer arrived: the server s
 earlier, so the server-side interval is never shorter than ours. Every `VastMarket` of a process talks
 through one pacer per (server, key), so the daemon's jobs and the CLI's commands share it.
 
-A 429 still happens when another process uses the same key; `penalize` then pushes the endpoint's next
-slot by `Retry-After` or the endpoint's own interval (its penalty for create).
+Every process of an install also takes each call's turn from one `Budget` in the record (fleet/core/marketpace.py),
+timed the same way. A 429 still happens when another install or tool uses the same key; `penalize` then pushes
+the endpoint's next slot by `Retry-After` or the endpoint's own interval (its penalty for create).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import hashlib
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,18 @@ PACES: dict[str, Pace] = {
 DEFAULT_PACE = Pace(1.1)
 
 
-# What the install's shared budget answers for one call: seconds to wait before it may start (every process of
-# an install draws on it: vast.ai counts an identity's calls, not a process's)
-Budget = Callable[[str, "Pace"], Awaitable[float]]
+class Budget(Protocol):
+    """The install's one budget of calls, which every process of it draws on (vast.ai counts an identity's calls,
+    not a process's): a turn per call, held while the request is in flight."""
+
+    async def claim(self, endpoint: str, pace: Pace) -> tuple[float | None, float]:
+        """(a token, 0.0): send now and `release` the token when the answer is in; (None, seconds): ask again
+        after that long."""
+        ...
+
+    async def release(self, endpoint: str, pace: Pace, token: float) -> None:
+        """The answer is in: the endpoint's next call may start `pace.interval_s` from now."""
+        ...
 
 
 @dataclass

@@ -96,14 +96,14 @@ class VastMarket:
         while True:
             try:
                 async with self.pacer.slot(endpoint):
-                    if self._budget is not None:
-                        wait = await self._budget(endpoint, self.pacer.pace(endpoint))
-                        if wait > 0:
-                            self.pacer.counters.waited_s += wait
-                            await asyncio.sleep(wait)
-                    if on_sent is not None:
-                        on_sent()
-                    return await self._once(method, path, **kw)
+                    turn = await self._take_turn(endpoint)
+                    try:
+                        if on_sent is not None:
+                            on_sent()
+                        return await self._once(method, path, **kw)
+                    finally:
+                        if turn is not None and self._budget is not None:
+                            await self._budget.release(endpoint, self.pacer.pace(endpoint), turn)
             except RateLimited as e:
                 refusals += 1
                 if refused_for >= self._rate_limited_wait_s:
@@ -120,6 +120,17 @@ class VastMarket:
                 wait = self.pacer.defer(endpoint, min(0.5 * 2 ** (failures - 1), 30.0))
                 log.warning("%s; retry %d/%d in %.1fs", e, failures, self._attempts - 1, wait)
             self.pacer.retried(endpoint)
+
+    async def _take_turn(self, endpoint: str) -> float | None:
+        """Wait for this call's turn in the install's budget (None: this market has none)."""
+        if self._budget is None:
+            return None
+        while True:
+            turn, wait = await self._budget.claim(endpoint, self.pacer.pace(endpoint))
+            if turn is not None:
+                return turn
+            self.pacer.counters.waited_s += wait
+            await asyncio.sleep(wait)
 
     async def _once(self, method: str, path: str, **kw: Any) -> Any:
         try:
