@@ -51,6 +51,9 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
         if not ctx.leases.claim(host):
             report["busy"].append(host.name)
             continue
+        if host.destroyed_at is not None:  # closed since the record was read (the claim read it again)
+            ctx.leases.release(host)
+            continue
         try:
             unlisted_but_there += await _settle(ctx, host, by_id, by_label, report)
         finally:

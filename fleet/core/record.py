@@ -210,7 +210,8 @@ class Record:
     def claim(self, host: Host, lease_s: float, owner: str | None = None) -> bool:
         """Take the host for `owner` (this process) for `lease_s`: when nobody holds it, its lease ran out,
         `owner` holds it already, or its owner is a dead process of this machine. False: someone else works
-        on it now."""
+        on it now. Once taken, `host` is read again: the caller acts on the host as it is, not as it was seen
+        (a bring-up that let go of it meanwhile moved it on)."""
         owner = owner or process_owner()
         now = utcnow()
         values = {"owner": owner, "lease_until": now + timedelta(seconds=lease_s)}
@@ -221,7 +222,9 @@ class Record:
             if current is not None and current.owner and owner_is_dead(current.owner):
                 taken = self._cas(host, values, Host.owner == current.owner)
         if taken:
-            host.owner, host.lease_until = values["owner"], values["lease_until"]
+            now_is = self.host(host.id) if host.id is not None else None
+            for name in Host.model_fields if now_is is not None else ():
+                setattr(host, name, getattr(now_is, name))
         return taken
 
     def renew(self, lease_s: float, owner: str | None = None) -> int:

@@ -86,6 +86,26 @@ async def test_a_failure_judged_on_a_stale_view_leaves_a_host_that_moved_on_serv
             assert host.instance_id not in [i["id"] for i in await listed_instances(api)]
 
 
+async def test_a_claim_hands_back_the_host_as_it_is_not_as_it_was_read(cloud, tmp_path):
+    """How the reconcile above came to fail a served host: it read every open host at once, the bring-up made one
+    READY and let go of it, and the reconcile's claim then succeeded on a view still saying PROBING. A claim now
+    reads the host again, so what its taker judges is the host as it is; a host closed meanwhile is seen closed."""
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        stale = fleet.record.hosts(names=[host.name])[0]
+        stale.state, stale.ready_at = HostState.PROBING, None  # what a reconcile read before the bring-up ended
+        assert fleet.leases.claim(stale)
+        assert (stale.state, stale.ready_at is not None) == (HostState.READY, True)
+        fleet.leases.release(stale)
+        reconciled = await asyncio.to_thread(cli, tmp_path, cloud, "reconcile", "--json")
+        assert reconciled.returncode == 0, reconciled.stderr
+        assert json.loads(reconciled.stdout)["failed"] == []
+        old_view = fleet.record.hosts(names=[host.name])[0]
+        await fleet.destroy([host.name])
+        assert fleet.leases.claim(old_view) and old_view.destroyed_at is not None
+        fleet.leases.release(old_view)
+
+
 async def test_reconcile_leaves_a_draining_host_to_the_process_draining_it(cloud, tmp_path):
     settings = settings_for(tmp_path, rotation={"drain_timeout_s": 20})
     async with fleet_for(settings) as fleet:
