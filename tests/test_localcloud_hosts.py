@@ -1,10 +1,12 @@
 """A rented local host is a real machine: sshd with the account key, the image's host scripts,
 aria2c pulling from the hub, llama-server answering; destroy leaves nothing running."""
 
+import asyncio
 import json
 import os
 import secrets
 import shlex
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import asyncssh
 import httpx
 import pytest
 
-from fleet.localcloud import procs
+from fleet.localcloud import network, procs
 from tests.helpers import (
     SERVICE_PORT,
     TINY_REPO,
@@ -200,3 +202,41 @@ def test_ending_a_host_waits_for_a_child_that_outlives_its_parent(tmp_path):
     assert found >= 2  # the parent, the child, and the sleep its trap started
     assert not _running(child)
     assert parent.poll() is not None
+
+
+async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api, ssh_keypair):
+    # create picks the external ports free; any process may bind one before the container runs (an outgoing
+    # connection's local port among them). The instance must still run, on ports that are free then.
+    await api.post("/api/v0/ssh/", json={"ssh_key": ssh_keypair[1]})
+    offer = await cheapest_offer(api)
+    seconds = 4.0  # of the image's pull, at the offer's link and the cloud's clock: time to take its ports
+    image = "fleet/port-taken:test"
+    cloud.set_faults({"image_sizes": {image: int(seconds / 0.01 * offer["inet_down"] * 1e6 / 8)}})
+    held: list[socket.socket] = []
+    try:
+        instance_id = await rent(api, offer["id"], image=image)
+        deadline = time.monotonic() + 30
+        while (inst := cloud.state()["instances"][str(instance_id)])["status"] != "loading":
+            assert time.monotonic() < deadline, "the instance never started loading"
+            await asyncio.sleep(0.05)
+        taken = {(network.PUBLIC_HOST, port) for port in inst["ports"].values()} | {
+            (network.PROXY_HOST, inst["ssh_port"])
+        }
+        for address in taken:
+            s = socket.socket()
+            s.bind(address)
+            s.listen()
+            held.append(s)
+        row = await wait_status(api, instance_id, "running", timeout_s=60)
+        assert row is not None, "the instance never ran"
+        listed = {(network.PUBLIC_HOST, mapped(row, 22)[1]), (network.PUBLIC_HOST, mapped(row, SERVICE_PORT)[1])}
+        listed.add((network.PROXY_HOST, row["ssh_port"]))
+        assert not listed & taken
+        conn = await connect(row, ssh_keypair[0])  # the new mapping reaches the container
+        async with conn:
+            assert (await conn.run("echo up", check=True)).stdout.strip() == "up"
+        await destroy(api, instance_id)
+    finally:
+        for s in held:
+            s.close()
+        cloud.set_faults({})

@@ -7,6 +7,7 @@ changed host key, a decode that sags)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from fleet.localcloud.instances import Instance
 from fleet.localcloud.state import CloudSettings, State
 
 log = logging.getLogger("fleet.localcloud")
+
+MAPPING_TRIES = 5  # fresh external ports for a container whose picked ones were taken meanwhile
 
 
 class Booting:
@@ -154,8 +157,9 @@ class Booting:
         await asyncio.sleep(self.settings.loading_delay_s)
         if inst.id not in self.state.instances:
             return
-        net = self._network(inst)
-        await net.start()
+        net = await self._map_ports(inst)
+        if net is None:
+            return
         if inst.id not in self.state.instances:
             await net.stop()
             return
@@ -193,6 +197,27 @@ class Booting:
             if inst.id not in self.state.instances:
                 return False
         return True
+
+    async def _map_ports(self, inst: Instance) -> network.HostNetwork | None:
+        """Start the container's forwarders. Its external ports were free when create picked them, but any
+        process on this machine may have bound one since (an outgoing connection's local port among them); a
+        vast.ai machine hands out ports from its own range, none of them taken, so the container is mapped
+        anew on free ports (they are listed once it runs). None, with the instance `exited`: no ports found."""
+        for _ in range(MAPPING_TRIES):
+            net = self._network(inst)
+            try:
+                await net.start()
+                return net
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self._networks.pop(inst.id, None)
+                log.info("instance %s: a port of its mapping was taken meanwhile (%s); mapped anew", inst.id, e)
+                inst.ssh_port = network.free_port(network.PROXY_HOST)
+                inst.ports = {key: network.free_port() for key in inst.ports}
+                self.save()
+        self._set_status(inst, "exited", f"Error: no free ports to map after {MAPPING_TRIES} tries")
+        return None
 
     def _network(self, inst: Instance) -> network.HostNetwork:
         if inst.id not in self._networks:

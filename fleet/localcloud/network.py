@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-
-log = logging.getLogger("fleet.localcloud.network")
 
 PUBLIC_HOST = "127.0.0.1"
 PROXY_HOST = "127.0.0.2"  # vast.ai's SSH gateway is another address than the machine's public IP
@@ -151,8 +148,8 @@ class HostNetwork:
         for f in self._forwarders:
             try:
                 await f.start()
-            except OSError as e:
-                log.error("forwarder %s failed: %s", f.mapping, e)
+            except OSError:
+                await self.stop()  # the ones already listening let their ports go
                 raise
         self.started = True
 
