@@ -17,13 +17,14 @@ server's /tokenize) and cached before the row, and reads the server's own counte
 call, and how many of the steps reused the previous step's graph ("graphs reused" in its log): a step that
 decodes every call in one pass reuses it, passes that alternate between streams never do. The table gives
 each rate over the same number of calls on neighbouring slots (same layout, same idle calls) and over the
-same calls with no idle call held, and the least of each over the rows: the targets (>= 0.95 of neighbours,
->= 0.97 of no idle call). The counts show the mechanism on any machine; the rates, on this CPU, only its
-direction (bench/gpu/run slots measures them on a card).
+same calls with no idle call held, and the least of each over the rows (each row the median of `--repeats`
+runs of its calls: one run of 128 tokens on a card is a second, within a few percent of the next): the
+targets (>= 0.95 of neighbours, >= 0.97 of no idle call). The counts show the mechanism on any machine; the
+rates, on this CPU, only its direction (bench/gpu/run slots measures them on a card).
 
-Usage: .venv/bin/python bench/slots.py [--tokens 300] [--depth 300] [--layout both]
+Usage: .venv/bin/python bench/slots.py [--tokens 300] [--depth 300] [--layout both] [--repeats 1]
        bench/slots.py --profile NAME --model FILE [--file KEY=PATH] [--slots N] [--config FLEET_TOML]
-                      --binary PATH [--depth N] [--json OUT]   (bench/gpu/run slots)
+                      --binary PATH [--depth N] [--repeats N] [--json OUT]   (bench/gpu/run slots)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -121,10 +123,11 @@ def call_sets(slots: int) -> list[tuple[int, ...]]:
 
 def measure(
     binary: Path, model: Path, profile: Profile, files: dict[str, str], which: str, depth: int, tokens: int,
-    work: Path, keep: Path | None,
+    work: Path, keep: Path | None, repeats: int = 1,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every row; each also written to `keep` as it is measured (a run cut off brings back what it measured).
-    `files`: the path of each of the profile's other files, by key ({file.KEY} in its flags)."""
+    `files`: the path of each of the profile's other files, by key ({file.KEY} in its flags). A row's rate is
+    the median over `repeats` runs of its calls (each run's rate the mean of its calls'), its steps the mean."""
     rows: list[dict[str, Any]] = []
     everyone = list(range(profile.slots))
     for name, flags in layouts(profile, which):
@@ -143,11 +146,14 @@ def measure(
                         asyncio.run(erase(url, others))
                     asyncio.run(hold(url, list(calls), prompts))  # the calls' own history, cached before the row
                     before = reused(log)
-                    rates = asyncio.run(speak(url, calls, prompts, tokens))
+                    runs = []
+                    for _ in range(repeats):  # each run from the same cached history: the prompt again
+                        rates = asyncio.run(speak(url, calls, prompts, tokens))
+                        runs.append(sum(rates) / len(rates))
                     time.sleep(0.3)  # the last reply's timing line reaches the log
                     rows.append({"cache": name, "calls": list(calls), "idle_calls": len(others) if idle else 0,
-                                 "depth": depth, "tokens": tokens, "tok_s_per_call": sum(rates) / len(rates),
-                                 "one_pass_steps": reused(log) - before})  # fmt: skip
+                                 "depth": depth, "tokens": tokens, "tok_s_per_call": statistics.median(runs),
+                                 "runs_tok_s": runs, "one_pass_steps": (reused(log) - before) // repeats})  # fmt: skip
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     if keep:
                         keep.write_text(json.dumps(rows, indent=1))
@@ -222,10 +228,14 @@ def main() -> int:
     parser.add_argument("--slots", type=int, help="serve this many slots of the profile's context (-np, -c)")
     parser.add_argument("--config", type=Path, help="fleet.toml to read the profile from (default: FLEET_CONFIG)")
     parser.add_argument("--binary", type=Path, help="llama-server (default: the local build)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each row's calls; the row reads the median")
     parser.add_argument("--json", type=Path, help="write the rows here too, each as it is measured")
     args = parser.parse_args()
     if args.tokens < 16 or args.depth < 16:
         print("error: --tokens and --depth take 16 or more", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("error: --repeats takes 1 or more", file=sys.stderr)
         return 2
     if (args.profile is None) != (args.model is None):
         print("error: --profile and --model go together", file=sys.stderr)
@@ -258,7 +268,9 @@ def main() -> int:
         if args.depth + args.tokens >= profile.ctx_per_slot:
             print(f"error: --depth plus --tokens must fit a slot ({profile.ctx_per_slot})", file=sys.stderr)
             return 2
-        rows = measure(binary, model, profile, files, args.layout, args.depth, args.tokens, work, args.json)
+        rows = measure(
+            binary, model, profile, files, args.layout, args.depth, args.tokens, work, args.json, args.repeats
+        )
     print(table(rows))
     return 0
 

@@ -366,7 +366,8 @@ def slots(only: list[str]) -> None:
             log(f"slots: {name} at depth {depth}, {layout}")
             argv = [sys.executable, str(REPO / "bench" / "slots.py"), "--profile", profile_name, "--model", str(model),
                     *files, "--binary", os.environ["FLEET_LLAMA_SERVER"], "--depth", str(depth), "--tokens", "128",
-                    "--layout", layout, "--json", str(OUT / f"slots-{name}-{depth}.json")]  # fmt: skip
+                    "--layout", layout, "--repeats", os.environ.get("SLOT_REPEATS", "3"),
+                    "--json", str(OUT / f"slots-{name}-{depth}.json")]  # fmt: skip
             if config_file:
                 argv += ["--config", str(config_file)]
             if n_slots:
