@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -217,6 +218,11 @@ def _profile(args: argparse.Namespace) -> tuple[Profile, dict[str, str]]:
     return profile.model_copy(update=update), files
 
 
+def _ended(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second TERM (the process group's, forwarded) waits its turn
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=300, help="tokens each call decodes")
@@ -231,6 +237,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each row's calls; the row reads the median")
     parser.add_argument("--json", type=Path, help="write the rows here too, each as it is measured")
     args = parser.parse_args()
+    # ended from outside (bench/gpu/measure.py cut short): unwind, once, so the server ends with this process
+    signal.signal(signal.SIGTERM, _ended)
     if args.tokens < 16 or args.depth < 16:
         print("error: --tokens and --depth take 16 or more", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,32 @@ KV_BYTES_PER_TOKEN = NEMO_12B.n_layer * NEMO_12B.n_head_kv * NEMO_12B.head_dim *
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def ended_by_signal(signum: int, _frame: object) -> None:
+    """SIGTERM (`timeout` ending a device call's command) unwinds like an error: each `finally` ends what it
+    started (the local cloud, a llama-server), or the machine's next call finds the card still taken. Once:
+    `timeout` signals the whole process group and bench/gpu/run forwards it, and a second TERM would cut the
+    unwinding short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def run_to_end(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """subprocess.run, but a measurement cut short asks the child to end (SIGTERM, as run()'s SIGKILL would
+    not let it end its own servers) and waits for it."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except BaseException:
+            child.terminate()
+            try:
+                child.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
 
 
 def fleet(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -372,7 +399,7 @@ def slots(only: list[str]) -> None:
                 argv += ["--config", str(config_file)]
             if n_slots:
                 argv += ["--slots", str(n_slots)]
-            found = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600)
+            found = run_to_end(argv, timeout=600)
             (LOGS / f"slots-{name}-{depth}.log").write_text(found.stderr)
             if found.returncode != 0:
                 raise SystemExit(f"bench/slots.py failed: {found.stderr[-2000:]}")
@@ -652,6 +679,7 @@ def _diff(a: float | None, b: float | None) -> str:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, ended_by_signal)
     if sys.argv[1] != "replan":
         LOGS.mkdir(parents=True, exist_ok=True)
     if sys.argv[1] == "plan":
