@@ -59,26 +59,28 @@ class Prompts:
     """Each slot's own call, about `depth` tokens deep by the server's tokenizer (a byte-level test model makes a
     token of each character; a real vocabulary, several)."""
 
-    def __init__(self, url: str, depth: int) -> None:
+    def __init__(self, url: str, depth: int, one_text: bool = False) -> None:
         sample = WORDS * 40
         reply = httpx.post(f"{url}/tokenize", json={"content": sample}, timeout=60)
         reply.raise_for_status()
         self.chars_per_token = len(sample) / max(len(reply.json()["tokens"]), 1)
         self.depth = depth
+        self.one_text = one_text  # every call the same text: the same tokens, the same experts and drafts
 
     def of(self, slot: int) -> str:
-        head = f"call {slot}: "
+        head = "call: " if self.one_text else f"call {slot}: "
         chars = max(int(self.depth * self.chars_per_token) - len(head), 1)
         return head + (WORDS * (chars // len(WORDS) + 1))[:chars]
 
 
-async def complete(client: httpx.AsyncClient, url: str, slot: int, text: str, tokens: int) -> float:
+async def complete(client: httpx.AsyncClient, url: str, slot: int, text: str, tokens: int) -> dict[str, Any]:
+    """The reply's `timings`: its decode rate, and with a draft model how many drafted tokens it accepted."""
     body = {"prompt": text, "n_predict": tokens, "id_slot": slot, "temperature": 0, "ignore_eos": True,
             "cache_prompt": True}  # fmt: skip
     reply = await client.post(f"{url}/completion", json=body)
     if reply.status_code != 200:
         raise SystemExit(f"slot {slot}: llama-server answered {reply.status_code}: {reply.text[:500]}")
-    return float(reply.json()["timings"]["predicted_per_second"])
+    return dict(reply.json()["timings"])
 
 
 async def hold(url: str, slots: list[int], prompts: Prompts) -> None:
@@ -94,9 +96,17 @@ async def erase(url: str, slots: list[int]) -> None:
             (await client.post(f"{url}/slots/{slot}", params={"action": "erase"})).raise_for_status()
 
 
-async def speak(url: str, slots: tuple[int, ...], prompts: Prompts, tokens: int) -> list[float]:
+async def speak(url: str, slots: tuple[int, ...], prompts: Prompts, tokens: int) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=600) as client:
         return list(await asyncio.gather(*(complete(client, url, s, prompts.of(s), tokens) for s in slots)))
+
+
+def passes_per_s(timings: dict[str, Any]) -> float:
+    """The target model's forward passes a second for this call: each pass yields one token and the drafted
+    ones it accepts, so this is the decode rate with the draft's luck taken out. The first token came with the
+    prompt's pass, as llama-server's own `predicted_per_second` counts it."""
+    passes = float(timings["predicted_n"]) - 1.0 - float(timings.get("draft_n_accepted", 0))
+    return passes / float(timings["predicted_ms"]) * 1000.0
 
 
 def reused(log: Path) -> int:
@@ -124,11 +134,12 @@ def call_sets(slots: int) -> list[tuple[int, ...]]:
 
 def measure(
     binary: Path, model: Path, profile: Profile, files: dict[str, str], which: str, depth: int, tokens: int,
-    work: Path, keep: Path | None, repeats: int = 1,
+    work: Path, keep: Path | None, repeats: int = 1, one_text: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every row; each also written to `keep` as it is measured (a run cut off brings back what it measured).
     `files`: the path of each of the profile's other files, by key ({file.KEY} in its flags). A row's rate is
-    the median over `repeats` runs of its calls (each run's rate the mean of its calls'), its steps the mean."""
+    the median over `repeats` runs of its calls (each run's rate the mean of its calls'), its steps the mean;
+    with a draft model, its target passes a second the same way and the share of drafted tokens accepted."""
     rows: list[dict[str, Any]] = []
     everyone = list(range(profile.slots))
     for name, flags in layouts(profile, which):
@@ -137,7 +148,7 @@ def measure(
         saves = work / "saves"  # a slot is erased through /slots, which wants a folder for saves it is never asked
         saves.mkdir(exist_ok=True)
         with llama_server(binary, model, *flags, "--slot-save-path", str(saves), timeout_s=600, log=log) as url:
-            prompts = Prompts(url, depth)
+            prompts = Prompts(url, depth, one_text)
             for idle in (False, True):
                 if idle:
                     asyncio.run(hold(url, everyone, prompts))
@@ -147,26 +158,31 @@ def measure(
                         asyncio.run(erase(url, others))
                     asyncio.run(hold(url, list(calls), prompts))  # the calls' own history, cached before the row
                     before = reused(log)
-                    runs = []
+                    runs, passes, drafted, accepted = [], [], 0, 0
                     for _ in range(repeats):  # each run from the same cached history: the prompt again
-                        rates = asyncio.run(speak(url, calls, prompts, tokens))
-                        runs.append(sum(rates) / len(rates))
+                        timings = asyncio.run(speak(url, calls, prompts, tokens))
+                        runs.append(sum(t["predicted_per_second"] for t in timings) / len(timings))
+                        passes.append(sum(passes_per_s(t) for t in timings) / len(timings))
+                        drafted += sum(int(t.get("draft_n", 0)) for t in timings)
+                        accepted += sum(int(t.get("draft_n_accepted", 0)) for t in timings)
                     time.sleep(0.3)  # the last reply's timing line reaches the log
                     rows.append({"cache": name, "calls": list(calls), "idle_calls": len(others) if idle else 0,
                                  "depth": depth, "tokens": tokens, "tok_s_per_call": statistics.median(runs),
-                                 "runs_tok_s": runs, "one_pass_steps": (reused(log) - before) // repeats})  # fmt: skip
+                                 "runs_tok_s": runs, "one_pass_steps": (reused(log) - before) // repeats,
+                                 "passes_s_per_call": statistics.median(passes),
+                                 "draft_accepted": accepted / drafted if drafted else None})  # fmt: skip
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     if keep:
                         keep.write_text(json.dumps(rows, indent=1))
     return rows
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[tuple[float | None, float | None]]:
-    """Each row's rate over the neighbouring slots' with as many calls (same layout and idle calls), and over
-    the same calls' with no idle call held (same layout); None where the reference was not measured."""
+def ratios(rows: list[dict[str, Any]], key: str = "tok_s_per_call") -> list[tuple[float | None, float | None]]:
+    """Each row's rate (`key`) over the neighbouring slots' with as many calls (same layout and idle calls), and
+    over the same calls' with no idle call held (same layout); None where the reference was not measured."""
 
     def rate(cache: str, calls: list[int], idle: bool) -> float | None:
-        found = [r["tok_s_per_call"] for r in rows
+        found = [r[key] for r in rows
                  if r["cache"] == cache and r["calls"] == calls and (r["idle_calls"] > 0) == idle]  # fmt: skip
         return found[0] if found else None
 
@@ -175,7 +191,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[tuple[float | None, float | None]
         idle = r["idle_calls"] > 0
         neighbours = rate(r["cache"], list(range(len(r["calls"]))), idle)
         alone = rate(r["cache"], r["calls"], False)
-        own = r["tok_s_per_call"]
+        own = r[key]
         out.append((own / neighbours if neighbours else None, own / alone if alone and idle else None))
     return out
 
@@ -198,7 +214,23 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append("")
         lines.append(f"{cache}: slots apart, least of / neighbours {min(apart):.2f} (target 0.95); idle calls held, "
                      f"least of / no idle call {min(idle):.2f} (target 0.97)")  # fmt: skip
+        if any(r.get("draft_accepted") is not None for r, _ in mine):
+            lines.append(_passes_line([r for r, _ in mine]))
     return "\n".join(lines)
+
+
+def _passes_line(rows: list[dict[str, Any]]) -> str:
+    """The same ratios over the target's passes a second, which a draft's acceptance does not move."""
+    found = ratios(rows, "passes_s_per_call")
+    apart = [
+        a for r, (a, _) in zip(rows, found, strict=True) if a is not None and r["calls"] != list(range(len(r["calls"])))
+    ]
+    idle = [i for _, i in found if i is not None]
+    shares = [r["draft_accepted"] for r in rows if r.get("draft_accepted") is not None]
+    return (
+        f"over the target's passes a second (drafted tokens accepted: {min(shares):.2f}-{max(shares):.2f} of a "
+        f"row's): least of / neighbours {min(apart):.2f}, least of / no idle call {min(idle):.2f}"
+    )
 
 
 def _profile(args: argparse.Namespace) -> tuple[Profile, dict[str, str]]:
@@ -235,6 +267,11 @@ def main() -> int:
     parser.add_argument("--config", type=Path, help="fleet.toml to read the profile from (default: FLEET_CONFIG)")
     parser.add_argument("--binary", type=Path, help="llama-server (default: the local build)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each row's calls; the row reads the median")
+    parser.add_argument(
+        "--one-text",
+        action="store_true",
+        help="every call the same prompt (a MoE's experts and a draft's luck then do not depend on which calls speak)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here too, each as it is measured")
     args = parser.parse_args()
     # ended from outside (bench/gpu/measure.py cut short): unwind, once, so the server ends with this process
@@ -277,7 +314,17 @@ def main() -> int:
             print(f"error: --depth plus --tokens must fit a slot ({profile.ctx_per_slot})", file=sys.stderr)
             return 2
         rows = measure(
-            binary, model, profile, files, args.layout, args.depth, args.tokens, work, args.json, args.repeats
+            binary,
+            model,
+            profile,
+            files,
+            args.layout,
+            args.depth,
+            args.tokens,
+            work,
+            args.json,
+            args.repeats,
+            args.one_text,
         )
     print(table(rows))
     return 0

@@ -399,6 +399,8 @@ def slots(only: list[str]) -> None:
                 argv += ["--config", str(config_file)]
             if n_slots:
                 argv += ["--slots", str(n_slots)]
+            if os.environ.get("SLOT_ONE_TEXT") == "1":
+                argv.append("--one-text")
             found = run_to_end(argv, timeout=600)
             (LOGS / f"slots-{name}-{depth}.log").write_text(found.stderr)
             if found.returncode != 0:
