@@ -214,7 +214,8 @@ async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api,
     cloud.set_faults({"image_sizes": {image: int(seconds / 0.01 * offer["inet_down"] * 1e6 / 8)}})
     held: list[socket.socket] = []
     try:
-        instance_id = await rent(api, offer["id"], image=image)
+        onstart = f'echo "$VAST_TCP_PORT_{SERVICE_PORT}" > onstart-env.txt'
+        instance_id = await rent(api, offer["id"], image=image, onstart=onstart)
         deadline = time.monotonic() + 30
         while (inst := cloud.state()["instances"][str(instance_id)])["status"] != "loading":
             assert time.monotonic() < deadline, "the instance never started loading"
@@ -232,9 +233,11 @@ async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api,
         listed = {(network.PUBLIC_HOST, mapped(row, 22)[1]), (network.PUBLIC_HOST, mapped(row, SERVICE_PORT)[1])}
         listed.add((network.PROXY_HOST, row["ssh_port"]))
         assert not listed & taken
-        conn = await connect(row, ssh_keypair[0])  # the new mapping reaches the container
+        conn = await connect(row, ssh_keypair[0])  # the new mapping reaches the container ...
         async with conn:
-            assert (await conn.run("echo up", check=True)).stdout.strip() == "up"
+            told = await conn.run("for i in $(seq 100); do [ -s onstart-env.txt ] && break; sleep 0.1; done; "
+                                  "cat onstart-env.txt", check=True)  # fmt: skip
+        assert told.stdout.strip() == str(mapped(row, SERVICE_PORT)[1])  # ... and its environment names it
         await destroy(api, instance_id)
     finally:
         for s in held:

@@ -147,22 +147,26 @@ class Booting:
             await self._pull_image(inst)
             if inst.id not in self.state.instances:
                 return
-        host = self.host_for(inst)
-        env = inst.container_env()
-        boot_steps = [host.prepare, host.start_platform_sshd if inst.ssh_mode else lambda: host.start_entrypoint(env)]
-        if not await self._host_steps(inst, boot_steps):
-            return
-        if inst.machine_id in self.faults.stuck_loading:
-            return
-        await asyncio.sleep(self.settings.loading_delay_s)
-        if inst.id not in self.state.instances:
-            return
+        # Docker publishes a container's ports as it starts it, and its processes learn them from their
+        # environment (identity ports bind there): the mapping comes first, then the environment that names it
         net = await self._map_ports(inst)
         if net is None:
             return
         if inst.id not in self.state.instances:
             await net.stop()
             return
+        host = self.host_for(inst)
+        env = inst.container_env()
+        boot_steps = [host.prepare, host.start_platform_sshd if inst.ssh_mode else lambda: host.start_entrypoint(env)]
+        if not await self._host_steps(inst, boot_steps):
+            if self._networks.pop(inst.id, None) is not None:
+                await net.stop()  # the container exited: nothing listens for it
+            return
+        if inst.machine_id in self.faults.stuck_loading:
+            return
+        await asyncio.sleep(self.settings.loading_delay_s)
+        if inst.id not in self.state.instances:
+            return  # the destroy stopped the network
         inst.running_at = time.time()
         billing.close_open(self.state.charges, inst.id, inst.running_at)  # the disk's charge while it loaded
         self.state.charges.append(Charge(inst.id, inst.label, inst.running_at, None, inst.dph_total))
@@ -202,7 +206,8 @@ class Booting:
         """Start the container's forwarders. Its external ports were free when create picked them, but any
         process on this machine may have bound one since (an outgoing connection's local port among them); a
         vast.ai machine hands out ports from its own range, none of them taken, so the container is mapped
-        anew on free ports (they are listed once it runs). None, with the instance `exited`: no ports found."""
+        anew on free ports (listed once it runs, and in its environment). None, with the instance `exited`:
+        no free ports found."""
         for _ in range(MAPPING_TRIES):
             net = self._network(inst)
             try:
