@@ -18,13 +18,14 @@ call, and how many of the steps reused the previous step's graph ("graphs reused
 decodes every call in one pass reuses it, passes that alternate between streams never do. The table gives
 each rate over the same number of calls on neighbouring slots (same layout, same idle calls) and over the
 same calls with no idle call held, and the least of each over the rows (each row the median of `--repeats`
-runs of its calls: one run of 128 tokens on a card is a second, within a few percent of the next): the
+runs of its calls: one run of 128 tokens on a card is a second, a few percent from the next on a dense
+model and up to 16% on the MoE shapes; `--one-text`, every call one prompt, is to take their content out): the
 targets (>= 0.95 of neighbours, >= 0.97 of no idle call). The counts show the mechanism on any machine; the
 rates, on this CPU, only its direction (bench/gpu/run slots measures them on a card).
 
 Usage: .venv/bin/python bench/slots.py [--tokens 300] [--depth 300] [--layout both] [--repeats 1]
        bench/slots.py --profile NAME --model FILE [--file KEY=PATH] [--slots N] [--config FLEET_TOML]
-                      --binary PATH [--depth N] [--repeats N] [--json OUT]   (bench/gpu/run slots)
+                      --binary PATH [--depth N] [--repeats N] [--one-text] [--json OUT]   (bench/gpu/run slots)
 """
 
 from __future__ import annotations
