@@ -77,18 +77,7 @@ class Booting:
     def start_host(self, inst: Instance) -> None:
         """Boot the instance's host: null -> scheduling -> created -> loading -> running, as the faults allow."""
         boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
-        boot.add_done_callback(lambda task: self._boot_ended(inst, task))
         self._tasks.setdefault(inst.id, []).append(boot)
-
-    def _boot_ended(self, inst: Instance, boot: asyncio.Task) -> None:
-        """A boot that raised (this machine's fault, or the local cloud's own bug) leaves its instance `exited`
-        with the error, as a container that cannot start reads, never hanging in the state it was in; the
-        traceback goes to the cloud's log."""
-        if boot.cancelled() or (error := boot.exception()) is None:
-            return
-        log.error("instance %s: its boot failed", inst.id, exc_info=error)
-        if inst.id in self.state.instances:
-            self._set_status(inst, "exited", f"Error: {type(error).__name__}: {error}")
 
     async def _pull_image(self, inst: Instance) -> None:
         """The machine downloads the image over its own link: the bytes are billed as download ("every byte sent
