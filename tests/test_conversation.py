@@ -32,6 +32,10 @@ def test_a_level_counts_its_turns_their_overlap_and_the_duty():
     assert level.duty == pytest.approx((0.2 + 0.2 + 0.2 + 0.4) / 10.0)
     assert level.cache_reuse == 0.95 and level.turn_gap_s == 2.5
     assert summarize_calls(1, [], span_s=0.0, slots=1, gap_s=1.0).duty is None
+    assert level.draft_acceptance is None  # no reply drafted
+    drafted = reply(30, 950, 1000)
+    drafted.server_timings |= {"draft_n": 20, "draft_n_accepted": 15}
+    assert summarize_calls(1, [Turn(0.0, 0.2, 0, drafted)], 10.0, 2, 2.5).draft_acceptance == 0.75
 
 
 def test_each_call_waits_its_own_gaps_the_same_every_run():

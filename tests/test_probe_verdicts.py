@@ -160,6 +160,23 @@ def test_bench_pools_waves_and_counts_throughput_from_server_tokens():
     assert json.loads(json.dumps(level.as_dict()))["callers"] == 2
 
 
+def test_a_level_reports_the_share_of_drafted_tokens_the_target_accepted():
+    """Issue 43: with a draft model llama-server's timings say how many tokens it drafted and how many the target
+    accepted; a level pools them over its replies (not a mean of shares: a long reply weighs its tokens)."""
+    drafted = [recorded(20, 100, 32, 900, 1000), recorded(30, 90, 32, 900, 1000), recorded(40, 90, 8, 0, 1000)]
+    for r, (n, accepted) in zip(drafted, ((30, 24), (10, 1), (4, 4)), strict=True):
+        r.server_timings |= {"draft_n": n, "draft_n_accepted": accepted}
+    level = summarize(3, [(1.0, drafted)], one_caller_decode=None, reconnects=0)
+    assert level.draft_acceptance == pytest.approx(29 / 44)
+    assert summarize(1, [(1.0, [recorded(20, 100, 32, 900, 1000)])], None, 0).draft_acceptance is None
+    # a host's claim is bounded: never more accepted than drafted, and what is not a count reads as none
+    liar = recorded(20, 100, 32, 900, 1000)
+    liar.server_timings |= {"draft_n": 5, "draft_n_accepted": 50}
+    nonsense = recorded(20, 100, 32, 900, 1000)
+    nonsense.server_timings |= {"draft_n": "many", "draft_n_accepted": -3}
+    assert summarize(2, [(1.0, [liar, nonsense])], None, 0).draft_acceptance == 1.0
+
+
 def test_levels_and_percentiles():
     assert levels_up_to(1) == [1] and levels_up_to(3) == [1, 2, 3] and levels_up_to(12) == [1, 2, 4, 8, 12]
     assert percentile([], 0.5) is None and percentile([5.0], 0.95) == 5.0

@@ -629,15 +629,16 @@ def calls_table(rows: dict, target: VoiceTarget) -> str:
     """Calls per card at the voice target on each path, with the levels; the gateway's added first content and
     throughput ratio at the speaker levels."""
     lines = [f"`{rows['host']}`: {rows['slots']} slots, ${rows['usd_per_hour']:.3f}/h, READY in {rows['up_s']:.0f} s",
-             "", "| calls | path | first content p50 / p95 ms | decode tok/s a call | waited | peak in flight | duty "
-             "| at target |", "|---:|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+             "", "| calls | path | first content p50 / p95 ms | decode tok/s a call | draft accepted | waited "
+             "| peak in flight | duty | at target |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     held = {}
     for path, found in rows["calls"].items():
         levels = {lv["calls"]: CallsLevel(**lv) for lv in found}
         for n, lv in sorted(levels.items()):
             why = judge_level(lv, target)
             lines.append(f"| {n} | {path} | {_ms(lv.first_content_p50_ms)} / {_ms(lv.first_content_p95_ms)} | "
-                         f"{_num(lv.decode_per_caller_tok_s)} | {lv.waited} | {lv.peak_in_flight} | {_num(lv.duty, 2)} "
+                         f"{_num(lv.decode_per_caller_tok_s)} | {_num(lv.draft_acceptance, 2)} | {lv.waited} | "
+                         f"{lv.peak_in_flight} | {_num(lv.duty, 2)} "
                          f"| {why or 'yes'} |")  # fmt: skip
         held[path] = capacity(levels, target, max(levels, default=0)) if levels else None
     lines.append("")

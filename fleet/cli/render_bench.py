@@ -18,6 +18,7 @@ def bench(host: str, waves: int, report: Any) -> None:
         "share",
         "throughput tok/s",
         "cache reuse",
+        "draft accepted",
         "errors",
         "target",
     )
@@ -34,6 +35,7 @@ def bench(host: str, waves: int, report: Any) -> None:
                 fmt(level["decode_share"], "{:.2f}"),
                 fmt(level["throughput_tok_s"], "{:.1f}"),
                 fmt(level["cache_reuse"], "{:.0%}"),
+                fmt(level["draft_acceptance"], "{:.0%}"),
                 str(level["errors"]),
                 "met" if why is None else f"missed: {why}",
             )
@@ -61,8 +63,8 @@ def bench(host: str, waves: int, report: Any) -> None:
 def bench_calls(host: str, calls: Any, speakers: int) -> None:
     """The conversation levels, the capacity in calls, and what the speakers predict at the duty measured."""
     target = calls.capacity.target
-    columns = ("calls", "turns", "first content p50 ms", "p95 ms", "decode tok/s", "cache reuse", "waited",
-               "peak in flight", "duty", "target")  # fmt: skip
+    columns = ("calls", "turns", "first content p50 ms", "p95 ms", "decode tok/s", "cache reuse", "draft accepted",
+               "waited", "peak in flight", "duty", "target")  # fmt: skip
     rows = []
     for level in calls.levels:
         why = judge_level(level, target)
@@ -74,6 +76,7 @@ def bench_calls(host: str, calls: Any, speakers: int) -> None:
                 fmt(level.first_content_p95_ms, "{:.1f}"),
                 fmt(level.decode_per_caller_tok_s, "{:.1f}"),
                 fmt(level.cache_reuse, "{:.0%}"),
+                fmt(level.draft_acceptance, "{:.0%}"),
                 str(level.waited),
                 str(level.peak_in_flight),
                 fmt(level.duty, "{:.3f}"),

@@ -3,7 +3,8 @@ read by (decode_rate: the probes and the bench alike).
 
 llama-server's every completion carries `timings` (`prompt_n`, `cache_n`, `predicted_n`,
 `predicted_per_second`): prompt tokens processed, prompt tokens taken from its cache, tokens generated and
-its own decode rate. vLLM has no `timings`; its `usage` says the same counts (`prompt_tokens`,
+its own decode rate; with a draft model, also the tokens drafted and how many of them the target accepted
+(`draft_n`, `draft_n_accepted`). vLLM has no `timings`; its `usage` says the same counts (`prompt_tokens`,
 `prompt_tokens_details.cached_tokens`, `completion_tokens`) and no rate, which the client then measures from
 the tokens' arrival. A field a reply lacks or gives in another type reads as absent, never as a crash.
 """
@@ -22,6 +23,8 @@ class Timings:
     cache_n: int = 0  # prompt tokens taken from the cache
     predicted_n: int = 0  # tokens generated
     predicted_per_second: float | None = None  # the server's own decode rate for this reply
+    draft_n: int = 0  # tokens a draft model proposed for this reply
+    draft_n_accepted: int = 0  # of those, the ones the target model accepted
 
     @classmethod
     def of(cls, timings: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> Timings:
@@ -42,6 +45,8 @@ class Timings:
             cache_n=_count(t.get("cache_n")),
             predicted_n=_count(t.get("predicted_n")),
             predicted_per_second=float(rate) if isinstance(rate, int | float) and rate > 0 else None,
+            draft_n=(drafted := _count(t.get("draft_n"))),
+            draft_n_accepted=min(_count(t.get("draft_n_accepted")), drafted),
         )
 
 

@@ -37,6 +37,7 @@ class LevelResult:
     reconnects: int
     prompt_tokens: float | None = None  # median prompt of measured turns: the context depth callers decode at
     first_content_p99_ms: float | None = None
+    draft_acceptance: float | None = None  # drafted tokens the target accepted, over all replies (None: no draft)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,13 +54,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class Replies:
-    """What a level's replies say, pooled: those that answered, their first contents, decode rates and cache
-    reuse (cache_n over the prompt)."""
+    """What a level's replies say, pooled: those that answered, their first contents, decode rates, cache
+    reuse (cache_n over the prompt) and the share of drafted tokens accepted (None: nothing was drafted)."""
 
     good: list[ChatResult]
     firsts: list[float]
     decode: list[float]
     reuse: list[float]
+    draft_acceptance: float | None = None
 
     @classmethod
     def of(cls, results: list[ChatResult]) -> Replies:
@@ -69,7 +71,14 @@ class Replies:
             [r.timing.first_content_ms for r in good if r.timing.first_content_ms is not None],
             [rate for r in good if (rate := r.decode_tok_s)],
             [r.served.cache_n / r.usage["prompt_tokens"] for r in good if r.usage.get("prompt_tokens")],
+            draft_acceptance(good),
         )
+
+
+def draft_acceptance(replies: list[ChatResult]) -> float | None:
+    """The tokens a draft model proposed that the target accepted, over all of them (None: none drafted)."""
+    drafted = sum(r.served.draft_n for r in replies)
+    return sum(r.served.draft_n_accepted for r in replies) / drafted if drafted else None
 
 
 def summarize(
@@ -95,6 +104,7 @@ def summarize(
         reconnects=reconnects,
         prompt_tokens=statistics.median(prompts) if prompts else None,
         first_content_p99_ms=percentile(firsts, 0.99),
+        draft_acceptance=pooled.draft_acceptance,
     )
 
 

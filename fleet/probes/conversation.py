@@ -40,6 +40,7 @@ class CallsLevel:
     peak_in_flight: int  # the most turns in flight at once
     duty: float | None  # the share of the calls' time a turn was in flight
     turn_gap_s: float  # the mean gap between a reply and the call's next turn
+    draft_acceptance: float | None = None  # drafted tokens the target accepted, over all turns (None: no draft)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +74,7 @@ def summarize_calls(calls: int, turns: list[Turn], span_s: float, slots: int, ga
         peak_in_flight=max((t.in_flight_before + 1 for t in turns), default=0),
         duty=busy / span_s if span_s > 0 else None,
         turn_gap_s=gap_s,
+        draft_acceptance=replies.draft_acceptance,
     )
 
 
