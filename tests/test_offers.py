@@ -167,3 +167,36 @@ def test_an_engine_that_serves_from_one_card_is_rented_by_one_cards_memory():
         1,
     ) in result.removed
     assert query_for(vllm, PROFILE).min_gpu_ram_mb == 94 * 1024 and query_for(needs, PROFILE).min_gpu_ram_mb == 12032
+
+
+def test_a_profiles_cpu_floors_filter_offers_and_go_with_the_search():
+    """Issue 43: llama-server samples every call's token on one thread between the card's passes, so a
+    profile may set floors on the host's CPU; vast.ai lists cpu_ghz and cpu_cores_effective on every offer."""
+    dump = json.loads((Path(__file__).parents[1] / "offers" / "real-vast-a100-sxm4-2026.json").read_text())
+    rows = dump["offers"] if isinstance(dump, dict) else dump
+    parsed = [Offer.from_raw(row) for row in rows]
+    assert all(
+        o.cpu_ghz == row["cpu_ghz"] and o.cpu_cores == row["cpu_cores_effective"]
+        for o, row in zip(parsed, rows, strict=True)
+    )
+    floors = Criteria(**{**CRITERIA.__dict__, "min_cpu_ghz": 2.5, "min_cpu_cores": 8})
+    offers = [
+        offer(1, cpu_ghz=3.0, cpu_cores=16),
+        offer(2, cpu_ghz=2.2, cpu_cores=16),
+        offer(3, cpu_ghz=3.5, cpu_cores=4),
+    ]
+    result = funnel(offers, floors, PROFILE)
+    assert [o.id for o in result.passed] == [1]
+    assert ("CPU >= 2.5 GHz (the profile's)", 1) in result.removed
+    assert ("CPU cores >= 8 (the profile's)", 1) in result.removed
+    # an offer that lists no CPU passes no floor, and none is asked for without one
+    assert [o.id for o in funnel([offer(4)], floors, PROFILE).passed] == []
+    assert [o.id for o in funnel([offer(4)], CRITERIA, PROFILE).passed] == [4]
+    asked = search_filters(query_for(floors, PROFILE))
+    assert asked["cpu_ghz"] == {"gte": 2.5} and asked["cpu_cores_effective"] == {"gte": 8}
+    assert "cpu_ghz" not in search_filters(query_for(CRITERIA, PROFILE))
+    # the local cloud answers that search as vast.ai does
+    cpu = {k: asked[k] for k in ("cpu_ghz", "cpu_cores_effective")}
+    answered = catalog.search(rows, {**cpu, "limit": 1000}, {})
+    assert answered and all(r["cpu_ghz"] >= 2.5 and r["cpu_cores_effective"] >= 8 for r in answered)
+    assert len(answered) < len(rows)

@@ -46,6 +46,8 @@ def criteria(
         one_card=engine.one_card,
         cpu_arch=provider.image_arch,
         min_cpu_ram_gb=engine.host_ram_gb(profile),
+        min_cpu_ghz=profile.min_cpu_ghz,
+        min_cpu_cores=profile.min_cpu_cores,
     )
 
 

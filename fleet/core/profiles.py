@@ -113,6 +113,12 @@ class Profile(Strict):
     # The RAM a host needs beside that cache (the server process, aria2c's pull, sshd): an offer whose system
     # RAM (vast.ai's cpu_ram: the instance's share of the machine's) holds less than both is filtered out.
     host_ram_gb: Annotated[float, Field(ge=0, le=4096)] = 8.0
+    # The host's CPU: llama-server samples every call's next token on one thread between the card's passes, so
+    # at many calls a slow core caps the card (vast.ai lists cpu_ghz and cpu_cores_effective, the instance's
+    # share of the cores). Offers below a floor are filtered out; 0: none. `fleet machines` keeps what each
+    # machine measured, which ranks them once benched.
+    min_cpu_ghz: Annotated[float, Field(ge=0, le=10)] = 0.0
+    min_cpu_cores: Annotated[float, Field(ge=0, le=1024)] = 0.0
 
     @field_validator("chat_template")
     @classmethod

@@ -35,6 +35,8 @@ class Criteria:
     one_card: bool = False  # the engine serves from one card (vLLM without tensor parallelism): no sum over GPUs
     cpu_arch: str = "amd64"  # the image's: an offer that lists another (or none) cannot start it
     min_cpu_ram_gb: float = 0.0  # the system RAM a host of the profile needs (its engine's host_ram_gb)
+    min_cpu_ghz: float = 0.0  # the profile's floors on the host's CPU: its server's per-step work runs there
+    min_cpu_cores: float = 0.0
 
 
 @dataclass
@@ -90,6 +92,10 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
     checks.append((f"CPU {c.cpu_arch} (the image's)", lambda o: o.cpu_arch == c.cpu_arch))
     if c.min_cpu_ram_gb:
         checks.append((f"RAM >= {c.min_cpu_ram_gb:.1f} GB (the profile's)", lambda o: o.cpu_ram_gb >= c.min_cpu_ram_gb))
+    if c.min_cpu_ghz:
+        checks.append((f"CPU >= {c.min_cpu_ghz:g} GHz (the profile's)", lambda o: o.cpu_ghz >= c.min_cpu_ghz))
+    if c.min_cpu_cores:
+        checks.append((f"CPU cores >= {c.min_cpu_cores:g} (the profile's)", lambda o: o.cpu_cores >= c.min_cpu_cores))
     if c.contract_ends_after:
         checks.append(
             (
@@ -193,6 +199,8 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
         max_dph_total=criteria.max_usd_per_hour,
         cpu_arch=criteria.cpu_arch,
         min_cpu_ram_gb=criteria.min_cpu_ram_gb or None,
+        min_cpu_ghz=criteria.min_cpu_ghz or None,
+        min_cpu_cores=criteria.min_cpu_cores or None,
     )
 
 
@@ -207,5 +215,7 @@ def asked(query: OfferQuery) -> str:
     parts += ["contract length"] if query.min_duration_s else []
     parts += ["download speed"] if query.min_inet_down_mbps else []
     parts += ["RAM"] if query.min_cpu_ram_gb else []
+    parts += ["CPU clock"] if query.min_cpu_ghz else []
+    parts += ["CPU cores"] if query.min_cpu_cores else []
     parts += ["price"] if query.max_dph_total is not None else []
     return ", ".join(parts)

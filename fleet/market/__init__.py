@@ -97,6 +97,9 @@ class Offer:
     datacenter: bool = False  # hosting_type 1: a machine in a certified datacenter
     cpu_arch: str = ""  # the machine's CPU architecture as listed (amd64, arm64); "" when the offer does not say
     cpu_ram_gb: float = 0.0  # the system RAM the instance gets (vast.ai's cpu_ram, MB: its share of the machine's)
+    cpu_ghz: float = 0.0  # the machine's CPU clock as listed; 0 when the offer does not say
+    cpu_cores: float = 0.0  # the instance's share of the machine's cores (vast.ai's cpu_cores_effective)
+    cpu_name: str = ""
 
     @property
     def country(self) -> str:
@@ -131,11 +134,22 @@ class Offer:
                 datacenter=row.get("hosting_type") == 1 or row.get("datacenter") is True,
                 cpu_arch=_text(row.get("cpu_arch") or "")[:16],
                 cpu_ram_gb=float(row.get("cpu_ram") or 0.0) / 1000,
+                cpu_ghz=float(row.get("cpu_ghz") or 0.0),
+                cpu_cores=float(row.get("cpu_cores_effective") or 0.0),
+                cpu_name=_text(row.get("cpu_name") or "")[:80],
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
         numbers = (offer.dph_total, offer.inet_up_usd_per_gb, offer.inet_down_usd_per_gb, offer.reliability)
-        more = (offer.cuda_max_good, offer.disk_space_gb, offer.inet_down_mbps, offer.end_date or 0.0, offer.cpu_ram_gb)
+        more = (
+            offer.cuda_max_good,
+            offer.disk_space_gb,
+            offer.inet_down_mbps,
+            offer.end_date or 0.0,
+            offer.cpu_ram_gb,
+            offer.cpu_ghz,
+            offer.cpu_cores,
+        )
         if not all(math.isfinite(n) for n in (*numbers, *more)):
             raise MarketError(f"malformed offer {offer.id}: a number that is not finite")
         return offer
@@ -172,6 +186,8 @@ class OfferQuery:
     max_dph_total: float | None = None
     cpu_arch: str | None = None  # the image's: a machine of another architecture cannot start it
     min_cpu_ram_gb: float | None = None  # the system RAM a host of the profile needs
+    min_cpu_ghz: float | None = None  # the CPU clock a host of the profile needs (its server's one thread)
+    min_cpu_cores: float | None = None  # the cores a host of the profile needs
 
 
 @dataclass(frozen=True)

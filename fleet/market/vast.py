@@ -376,4 +376,8 @@ def search_filters(query: OfferQuery) -> dict[str, Any]:
         found["cpu_arch"] = {"eq": query.cpu_arch}
     if query.min_cpu_ram_gb:
         found["cpu_ram"] = {"gte": math.ceil(query.min_cpu_ram_gb * 1000)}  # MB, as the offers list it
+    if query.min_cpu_ghz:
+        found["cpu_ghz"] = {"gte": query.min_cpu_ghz}
+    if query.min_cpu_cores:
+        found["cpu_cores_effective"] = {"gte": query.min_cpu_cores}
     return found
