@@ -93,12 +93,12 @@ async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, An
 async def wait_status(
     api: httpx.AsyncClient, instance_id: int, wanted: str | None, timeout_s: float = 20.0
 ) -> dict[str, Any] | None:
-    """Poll show-instance until actual_status == wanted (None: until the instance is gone)."""
+    """Poll show-instance until actual_status == wanted (None: until the instance is gone, in any of the forms
+    vast.ai says it: `shown`)."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
-        r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
-        last = None if r.status_code == 404 else r.raise_for_status().json()["instances"]
+        last = await shown(api, instance_id)
         if wanted is None and last is None:
             return None
         if last is not None and last["actual_status"] == wanted:

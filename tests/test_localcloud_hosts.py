@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from fleet.localcloud import network, procs
+from fleet.localcloud.hosts import port_open
 from tests.helpers import (
     SERVICE_PORT,
     TINY_REPO,
@@ -242,4 +243,36 @@ async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api,
     finally:
         for s in held:
             s.close()
+        cloud.set_faults({})
+
+
+async def test_a_boot_that_fails_unforeseen_leaves_its_instance_exited_saying_why(cloud, api):
+    # a boot step that raises what no step expects (here the host's folder taken by a file while the image
+    # loads) must not leave the instance in `loading` for a client to wait out: it reads exited, with the error
+    offer = await cheapest_offer(api)
+    image = "fleet/boot-fails:test"
+    cloud.set_faults({"image_sizes": {image: int(3.0 / 0.01 * offer["inet_down"] * 1e6 / 8)}})
+    taken = None
+    try:
+        instance_id = await rent(api, offer["id"], image=image)
+        deadline = time.monotonic() + 30
+        while cloud.state()["instances"][str(instance_id)]["status"] != "loading":
+            assert time.monotonic() < deadline, "the instance never started loading"
+            await asyncio.sleep(0.05)
+        taken = cloud.info.state_dir / "hosts" / str(instance_id)
+        taken.parent.mkdir(parents=True, exist_ok=True)
+        taken.write_text("not a folder\n")
+        row = await wait_status(api, instance_id, "exited", timeout_s=60)
+        assert row is not None and row["status_msg"].startswith("Error: ")
+        assert "FileExistsError" in row["status_msg"] or "NotADirectoryError" in row["status_msg"]
+        # the container exited: the ports mapped for it before the failing step no longer answer
+        ports = cloud.state()["instances"][str(instance_id)]
+        assert not port_open(network.PROXY_HOST, ports["ssh_port"])
+        assert not any(port_open(network.PUBLIC_HOST, p) for p in ports["ports"].values())
+        taken.unlink()
+        taken = None
+        await destroy(api, instance_id)
+    finally:
+        if taken is not None:
+            taken.unlink(missing_ok=True)
         cloud.set_faults({})

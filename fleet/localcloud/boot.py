@@ -77,7 +77,30 @@ class Booting:
     def start_host(self, inst: Instance) -> None:
         """Boot the instance's host: null -> scheduling -> created -> loading -> running, as the faults allow."""
         boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"boot-{inst.id}")
+        boot.add_done_callback(lambda task: self._boot_ended(inst, task))
         self._tasks.setdefault(inst.id, []).append(boot)
+
+    def _boot_ended(self, inst: Instance, boot: asyncio.Task) -> None:
+        """A boot that raised what no step expects (this machine's fault, or the local cloud's own bug) is logged
+        with its traceback. A container that never ran then exits, its processes and ports ended, as one that
+        cannot start reads on vast.ai; one already running goes on running (a late step, the account's keys
+        or onstart, failing stops no container), its faults still applied by its watch."""
+        if boot.cancelled() or (error := boot.exception()) is None:
+            return
+        log.error("instance %s: its boot failed in state %s", inst.id, inst.status, exc_info=error)
+        if inst.id not in self.state.instances or inst.status == "running":
+            return
+        ending = asyncio.get_running_loop().create_task(self._exit(inst, f"Error: {type(error).__name__}: {error}"))
+        self._tasks.setdefault(inst.id, []).append(ending)
+
+    async def _exit(self, inst: Instance, msg: str) -> None:
+        """The container exits: its processes end, its ports close, it reads `exited` saying why."""
+        await asyncio.to_thread(self.host_for(inst).stop)
+        net = self._networks.pop(inst.id, None)
+        if net is not None:
+            await net.stop()
+        if inst.id in self.state.instances:
+            self._set_status(inst, "exited", msg)
 
     async def _pull_image(self, inst: Instance) -> None:
         """The machine downloads the image over its own link: the bytes are billed as download ("every byte sent
