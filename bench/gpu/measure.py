@@ -411,6 +411,39 @@ def slots(only: list[str]) -> None:
     print("\n".join(lines))
 
 
+# bench/server_decode.py's models on the card: the GGUF (None: NeMo's shape above, else the profile whose main
+# file's replica is written) and its vocabulary's size
+STREAM_RUNS = {"nemo": (None, 356), "a4b": ("a4b", 262144), "phonellm": ("phonellm", 131072)}
+
+
+def streams(only: list[str]) -> None:
+    """llama-server alone against llama-batched-bench at 1-64 streams on the card, 0004's top-k path against the
+    whole vocabulary's (bench/server_decode.py), for each model of STREAM_RUNS (`only`: some of them)."""
+    lines = []
+    for name in only or list(STREAM_RUNS):
+        profile_name, n_vocab = STREAM_RUNS[name]
+        model = MODEL
+        if profile_name is not None:
+            main = registry.load(REPO / "fleet.toml").profile(profile_name).files[0]
+            by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
+            (G / "replicas").mkdir(parents=True, exist_ok=True)
+            model = replicas.write(by_name[(main.repo, main.file)], G / "replicas" / main.file, fill=True)
+            log(f"streams: {name}: wrote the replica of {main.file}")
+        argv = [sys.executable, str(REPO / "bench" / "server_decode.py"), "--model-file", str(model), "--name", name,
+                "--n-vocab", str(n_vocab), "--flags", "-ngl 99 -fa on --cache-type-k f16 --cache-type-v f16",
+                "--bin-dir", str(Path(os.environ["FLEET_LLAMA_SERVER"]).parent), "--threads", "8",
+                "--streams", os.environ.get("STREAMS", "1,8,16,32,64"), "--tokens", "80",
+                "--repeats", os.environ.get("STREAM_REPEATS", "1"),
+                "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
+        found = run_to_end(argv, timeout=600)
+        (LOGS / f"streams-{name}.log").write_text(found.stderr)
+        if found.returncode != 0:
+            raise SystemExit(f"bench/server_decode.py failed: {found.stderr[-2000:]}")
+        lines += [found.stdout, ""]
+        (OUT / "streams.md").write_text("\n".join(lines))  # a call cut off keeps what it measured
+    print("\n".join(lines))
+
+
 def thermal() -> None:
     start_cloud()
     try:
@@ -691,5 +724,7 @@ if __name__ == "__main__":
         replan(Path(sys.argv[2]))
     elif sys.argv[1] == "slots":
         slots(sys.argv[2:])
+    elif sys.argv[1] == "streams":
+        streams(sys.argv[2:])
     else:
         {"decode": decode, "thermal": thermal, "path": path, "alone": alone, "calls": calls}[sys.argv[1]]()

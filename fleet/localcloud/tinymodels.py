@@ -10,6 +10,10 @@ Generated deterministically with the `gguf` package: the same name always gives 
 - `tiny-rewrite`: `tiny` with a chat template that trims the model's replies (the template trap).
 All share a 356-token byte-level SPM vocabulary with a ChatML template. The output rows of the
 control and byte tokens are zero, so sampling mostly yields printable ASCII.
+
+`LARGE_VOCAB` is `tiny` with Gemma's vocabulary size (262,144 tokens, the output tied to the embedding as
+Gemma's is), made on demand only (64 MiB): a server's per-token work over the whole vocabulary (the logits,
+the sampler chain) weighs on it as on Gemma, while its layers cost next to nothing.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class TinyModel:
     filename: str
     template: str = CHATML_TEMPLATE
     truncate_to: float | None = None  # keep this share of the file: a model llama-server cannot load
+    n_vocab: int | None = None  # the byte-level vocabulary padded with words to this size, the output tied
+
+
+GEMMA_VOCAB = 262144
 
 
 MODELS: dict[str, TinyModel] = {
@@ -70,9 +78,10 @@ MODELS: dict[str, TinyModel] = {
     # its header promises tensors the file does not hold: llama-server dies loading it
     "tiny-truncated": TinyModel("tiny-truncated", "llama", "tiny-llama-truncated.gguf", truncate_to=0.6),
 }
+LARGE_VOCAB = TinyModel("tiny-gemma-vocab", "llama", "tiny-llama-gemma-vocab.gguf", n_vocab=GEMMA_VOCAB)
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
+def _vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int]]:
     tokens = list(CONTROL_TOKENS)
     types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * (len(CONTROL_TOKENS) - 1)
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -80,12 +89,16 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     for code in range(0x20, 0x7F):
         tokens.append("\u2581" if code == 0x20 else chr(code))
         types.append(gguf.TokenType.NORMAL)
+    if n_vocab is not None:
+        words = n_vocab - len(tokens)
+        tokens += [f"\u2581w{i}" for i in range(words)]
+        types += [gguf.TokenType.NORMAL] * words
     scores = [0.0] * len(tokens)
     return tokens, scores, [int(t) for t in types]
 
 
-def add_vocab(writer: gguf.GGUFWriter, template: str) -> int:
-    tokens, scores, types = _vocab()
+def add_vocab(writer: gguf.GGUFWriter, template: str, n_vocab: int | None = None) -> int:
+    tokens, scores, types = _vocab(n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -119,7 +132,7 @@ def _add_ssm_keys(writer: gguf.GGUFWriter, d_conv: int, d_inner: int, d_state: i
     writer.add_ssm_time_step_rank(heads)
 
 
-def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
+def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int, tied: bool = False) -> None:
     head_dim = N_EMBD // N_HEAD
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
@@ -129,6 +142,9 @@ def _write_llama(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int
     writer.add_head_count_kv(N_HEAD_KV)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
+    if tied:  # no output.weight: llama.cpp reads the logits through the token embedding
+        _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=False, embd=output_matrix(rng, n_vocab))
+        return
     _attention_tensors(writer, rng, n_vocab, head_dim, post_norms=False)
     writer.add_tensor("output.weight", output_matrix(rng, n_vocab))
 
@@ -267,14 +283,18 @@ def _write_nemotron_h(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab
 _WRITERS = {"llama": _write_llama, "gemma2": _write_gemma2, "mamba": _write_mamba, "nemotron_h": _write_nemotron_h}
 
 
-def generate(name: str, path: Path, seed: int = 1234) -> Path:
-    """Write the tiny model `name` to `path` (atomically); the same name gives the same bytes."""
-    model = MODELS[name]
+def generate(name: str | TinyModel, path: Path, seed: int = 1234) -> Path:
+    """Write the tiny model `name` (or `LARGE_VOCAB`) to `path` (atomically); the same model gives the same
+    bytes."""
+    model = name if isinstance(name, TinyModel) else MODELS[name]
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), model.arch)
     writer.add_name(model.name)
-    n_vocab = add_vocab(writer, model.template)
-    _WRITERS[model.arch](writer, np.random.default_rng(seed), n_vocab)
+    n_vocab = add_vocab(writer, model.template, model.n_vocab)
+    if model.n_vocab is not None:
+        _write_llama(writer, np.random.default_rng(seed), n_vocab, tied=True)
+    else:
+        _WRITERS[model.arch](writer, np.random.default_rng(seed), n_vocab)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""llama-server's decode at many streams against llama.cpp's own ceiling on the same machine: every stream's
+tokens a second through the server, beside `llama-batched-bench` (the same model, build and threads, no
+server and no sampling), side by side in one run, on this CPU.
+
+A server step decodes every stream in one pass, then samples each stream's next token on its one thread. With
+Gemma's 262,144-token vocabulary that thread's work per stream (the logits into a candidate array, the top-k
+over all of them) outweighs the pass itself at 32-64 streams, and the card waits for it (issue 43 measured
+0.21-0.29 of batched-bench at 64 streams on an H100). Patch 0004 (images/llama-server/patches) takes the top-k
+candidates straight from the logits. Both paths are in the patched binary: a request whose sampler chain puts
+typical-p (at 1.0, which changes nothing) before top-k takes the whole-vocabulary path, so each row runs the
+same build twice, "top-k first" (0004's path) and "whole vocab" (llama.cpp's path before it), and the
+tests (tests/test_llama_sampling.py) show both give the same tokens.
+
+Rows: for each model (the tiny llama with Gemma's vocabulary, and with a 356-token vocabulary for contrast),
+each number of streams: the server's tokens a second a stream and over all streams on each path, batched-bench's
+over all sequences, and the server's share of it. Target (issue 43): >= 0.85 at 64 streams on the card; on
+this CPU the pass itself is slow, so the share reads higher than on a card, and the ratio between the paths is
+what the patch changes.
+
+Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2] [--json FILE]
+Builds what is missing (scripts/build-llama-server builds llama-batched-bench beside llama-server). On a card
+(bench/gpu/run streams): --model-file GGUF --flags '-ngl 99 -fa on' --bin-dir the CUDA build's bin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet.localcloud import tinymodels
+from fleet.localcloud.llamaproc import llama_server
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = 16
+# fleet's a4b profile's sampling (temperature 1, top-k 64, top-p 0.95, min-p 0)
+SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "min_p": 0.0, "repeat_penalty": 1.0}
+TOP_K_FIRST = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+WHOLE_VOCAB = ["typ_p", *[s for s in TOP_K_FIRST if s != "typ_p"]]  # typ_p = 1.0 is a no-op, but it comes first
+
+
+@dataclass
+class Row:
+    model: str
+    n_vocab: int
+    streams: int
+    top_k_first: float  # the server's tokens a second over all streams, 0004's path
+    whole_vocab: float  # the same over the whole vocabulary
+    batched_bench: float  # llama-batched-bench's tokens a second over all sequences
+
+    @property
+    def share_top_k_first(self) -> float:
+        return self.top_k_first / self.batched_bench
+
+    @property
+    def share_whole_vocab(self) -> float:
+        return self.whole_vocab / self.batched_bench
+
+
+def build() -> Path:
+    """The patched build's bin folder, with llama-server and llama-batched-bench."""
+    out = subprocess.run([str(ROOT / "scripts" / "build-llama-server")], check=True, capture_output=True, text=True)
+    bin_dir = Path(out.stdout.strip().splitlines()[-1]).parent
+    if not (bin_dir / "llama-batched-bench").exists():
+        sys.exit(f"server_decode: {bin_dir} has no llama-batched-bench: rerun scripts/build-llama-server")
+    return bin_dir
+
+
+async def server_rate(url: str, streams: int, tokens: int, samplers: list[str]) -> float:
+    """Tokens a second over all streams: `streams` requests sent at once, each its own prompt, every reply
+    `tokens` long (the end of generation ignored), over the time from the first request sent to the last reply
+    (the prompts' prefill inside it, as in batched-bench's total below)."""
+
+    async def one(client: httpx.AsyncClient, k: int) -> int:
+        body = {"prompt": f"caller {k}: " + "the order ships " * 4, "n_predict": tokens, "ignore_eos": True,
+                "cache_prompt": False, "seed": 1000 + k, "samplers": samplers, "typ_p": 1.0, **SAMPLING}  # fmt: skip
+        reply = await client.post(f"{url}/completion", json=body)
+        reply.raise_for_status()
+        return int(reply.json()["timings"]["predicted_n"])
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        await one(client, -1)  # warm-up: the first request pays for the server's first graphs
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, k) for k in range(streams)))
+        return sum(counts) / (time.perf_counter() - started)
+
+
+def batched_bench(bin_dir: Path, model: Path, streams: list[int], tokens: int, flags: list[str]) -> dict[int, float]:
+    """llama-batched-bench's generated tokens a second over all sequences, by the number of sequences."""
+    ctx = max(streams) * (PROMPT_TOKENS + tokens + 8)
+    argv = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-npp", str(PROMPT_TOKENS),
+            "-ntg", str(tokens), "-npl", ",".join(map(str, streams)), *flags, "--output-format", "jsonl"]  # fmt: skip
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    # the generated tokens over the whole run, the prompts' prefill included, as the server's rate is read
+    return {row["pl"]: row["pl"] * row["tg"] / row["t"] for row in rows}
+
+
+def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.Namespace) -> list[Row]:
+    """One model's rows: llama-batched-bench's ceiling at each number of streams, then one server with as many
+    slots as the most streams, each level on both paths in turn (`--repeats` times, the median kept)."""
+    streams = [int(s) for s in args.streams.split(",")]
+    common = [*shlex.split(args.flags), "-t", str(args.threads)]
+    ceiling = batched_bench(bin_dir, model, streams, args.tokens, common)
+    most = max(streams)
+    ctx = most * (PROMPT_TOKENS * 4 + args.tokens + 64)
+    flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
+    rows = []
+    with llama_server(bin_dir / "llama-server", model, *flags, timeout_s=600) as url:
+        for n in streams:
+            fast, whole = [], []
+            for _ in range(args.repeats):  # the paths taken in turn: a drift of the machine falls on both
+                fast.append(asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)))
+                whole.append(asyncio.run(server_rate(url, n, args.tokens, WHOLE_VOCAB)))
+            rows.append(Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n]))
+            print(
+                f"  {name} at {n} streams: {rows[-1].top_k_first:.0f} / {rows[-1].whole_vocab:.0f} tok/s",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def table(rows: list[Row], title: str) -> str:
+    lines = [
+        title,
+        "",
+        "| model | vocab | streams | whole vocab | top-k first | batched-bench | share before "
+        "| share after | after / before |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {r.top_k_first:.0f} | "
+                     f"{r.batched_bench:.0f} | {r.share_whole_vocab:.2f} | {r.share_top_k_first:.2f} | "
+                     f"{r.top_k_first / r.whole_vocab:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="1,8,32,64")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model-file", type=Path, help="a GGUF to measure instead of the two tiny models")
+    parser.add_argument("--name", default=None, help="the model's name in the table (with --model-file)")
+    parser.add_argument("--n-vocab", type=int, default=0, help="its vocabulary's size, for the table")
+    parser.add_argument("--flags", default="", help="flags for both programs, e.g. '-ngl 99 -fa on' on a card")
+    parser.add_argument("--bin-dir", type=Path, help="llama-server and llama-batched-bench (default: this build)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    bin_dir = args.bin_dir or build()
+    rows: list[Row] = []
+    if args.model_file:
+        rows = measure(bin_dir, args.name or args.model_file.stem, args.model_file, args.n_vocab, args)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in (tinymodels.LARGE_VOCAB, tinymodels.MODELS["tiny"]):
+                path = tinymodels.generate(model, Path(tmp) / model.filename)
+                rows += measure(bin_dir, model.name, path, model.n_vocab or len(tinymodels._vocab()[0]), args)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"share_top_k_first": r.share_top_k_first,
+                                                      "share_whole_vocab": r.share_whole_vocab} for r in rows],
+                                        indent=2))  # fmt: skip
+    title = (f"llama-server against llama-batched-bench, {bin_dir.parents[1].name}, {args.threads} threads, "
+             f"{args.tokens} tokens a stream, tokens/s over all streams (median of {args.repeats})")  # fmt: skip
+    print(table(rows, title))
+
+
+if __name__ == "__main__":
+    main()
