@@ -108,7 +108,11 @@ async def test_up_serves_the_repository_it_pulled_and_checked_over_tls_with_the_
     assert "vllm:num_requests_running" in metrics and requests_in_flight(metrics) == 0
 
 
-@pytest.mark.parametrize("probe", ["smoke", "cache", "keepalive", "thermal"])
+# thermal alone: on this test bed the CPU that decodes is the CPU the suite's other workers share, and a burst of
+# theirs during one of thermal's later samples read as a healthy host's sag (0.15 of its cold rate, issue 45);
+# with the machine to itself (a steady neighbour such as a CPU hog on one core lowers every sample alike) the
+# share reads the host's own decode. The sagging host's failure is held on llama-server (test_rotation)
+@pytest.mark.parametrize("probe", ["smoke", "cache", "keepalive", pytest.param("thermal", marks=pytest.mark.alone)])
 async def test_each_probe_passes_on_a_real_vllm_server(fleet, probe):
     host = fleet.record.hosts(states=(HostState.READY,))[0]
     (result,) = await fleet.probe(host.name, only=[probe])
