@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,7 +14,43 @@ import pytest
 
 from fleet.localcloud import control, procs, toolchain
 from tests.helpers import processes_mentioning
+from tests.install_beside import InstallBeside, held, shipped_ports
 from tests.secrets_watch import SecretsWatch
+
+BESIDE = pytest.StashKey[InstallBeside]()
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reporter.write_line(line) if reporter is not None else print(line, file=sys.stderr)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite runs beside a running fleet install, as on a machine where `scripts/demo` left its gateway on
+    fleet.toml's ports: started here on the controller alone (not in each xdist worker), unless those ports are
+    held already, by an install that then plays the part."""
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    ports = shipped_ports()
+    if any(held(p) for p in ports):
+        _say(config, f"fleet.toml's gateway ports {ports} are held already: a running install plays the one beside")
+        return
+    beside = InstallBeside()
+    _say(config, beside.start())
+    config.stash[BESIDE] = beside
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The install beside stopped, and nothing it started left: else the session fails."""
+    beside = session.config.stash.get(BESIDE, None)
+    if beside is None:
+        return
+    del session.config.stash[BESIDE]
+    problems = beside.stop()
+    if problems:
+        _say(session.config, "the install beside the tests: " + "; ".join(problems))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,7 +3,10 @@ pointed at the module's local cloud."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -72,27 +75,82 @@ def with_variant(
     return settings.model_copy(update={"models": {**settings.models, name: variant}})
 
 
-SHIPPED_SERVE = '[[serve]]\nmodel = "tiny"\nregion = "eu"\ncalls = 0\n'
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it, table by table: a table's keys are merged, any other value (a list
+    of [[serve]] tables among them) replaces the base's, and None removes the key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
-def without_shipped_serve(text: str) -> str:
-    """fleet.toml's text without its [[serve]] table (the demo's tiny target in the EU)."""
-    assert SHIPPED_SERVE in text
-    return text.replace(SHIPPED_SERVE, "", 1)
+BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
 
-def write_config(tmp: Path, extra: str = "") -> Path:
-    """The repo's fleet.toml with the database in `tmp` (and any extra TOML), for the CLI to read. Extra
-    [[serve]] tables replace the shipped one."""
-    text = (ROOT / "fleet.toml").read_text()
-    if "[[serve]]" in extra:
-        text = without_shipped_serve(text)
-    text = text.replace("[database]\n", f'[database]\npath = "{tmp}/fleet.db"\n', 1)
-    text = text.replace("[rotation]\n", f'[rotation]\nendpoints_file = "{tmp}/endpoints.json"\n', 1)
-    assert f"{tmp}/endpoints.json" in text and f"{tmp}/fleet.db" in text
-    path = tmp / "fleet.toml"
-    path.write_text(text + extra)
+def _key(key: str) -> str:
+    return key if BARE_KEY.fullmatch(key) else _string(key)
+
+
+def _string(s: str) -> str:
+    return '"' + "".join(ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c) for c in s) + '"'
+
+
+def _value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        assert math.isfinite(value), value
+        return repr(value)
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    raise TypeError(f"no TOML for {type(value).__name__}: fleet.toml holds none")
+
+
+def toml_text(data: dict[str, Any], prefix: str = "") -> str:
+    """TOML for the types fleet.toml uses: each table a [section] (its keys first, then its sub-tables), lists
+    (of tables too) and tables within them inline."""
+    lines = [f"{_key(k)} = {_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            name = f"{prefix}.{_key(k)}" if prefix else _key(k)
+            lines += ["", f"[{name}]", toml_text(v, name).rstrip("\n")]
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def write_toml(path: Path, data: dict[str, Any]) -> Path:
+    """`data` written to `path` as TOML, checked to read back as the same."""
+    text = toml_text(data)
+    assert tomllib.loads(text) == data, f"{path}: the TOML written does not read back as what was meant"
+    path.write_text(text)
     return path
+
+
+def config_data(tmp: Path, extra: str = "", **sections: Any) -> dict[str, Any]:
+    """The repo's fleet.toml as data, with the database and the endpoints file in `tmp`; then `extra` (TOML
+    text) and each section's keys laid over it (`merged`: [[serve]] tables given replace the shipped one)."""
+    data = merged(
+        tomllib.loads((ROOT / "fleet.toml").read_text()),
+        {"database": {"path": f"{tmp}/fleet.db"}, "rotation": {"endpoints_file": f"{tmp}/endpoints.json"}},
+    )
+    return merged(merged(data, tomllib.loads(extra)), sections)
+
+
+def write_config(tmp: Path, extra: str = "", *, file: str = "fleet.toml", **sections: Any) -> Path:
+    """`config_data` written to `tmp/file`, for the CLI to read: `caps={"max_hosts_total": 1}` sets one key,
+    `serve=None` drops the shipped [[serve]] table (the demo's tiny target in the EU)."""
+    return write_toml(tmp / file, config_data(tmp, extra, **sections))
 
 
 async def ranked_offers(settings: config.Settings) -> list:

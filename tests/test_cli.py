@@ -154,8 +154,7 @@ def test_offers_json_has_ranked_offers_and_the_funnel(env):
 
 
 def test_offers_say_when_the_answer_filled_the_search_window(env, tmp_path):
-    config = tmp_path / "small-window.toml"
-    config.write_text(Path(env["FLEET_CONFIG"]).read_text().replace("search_limit = 1000", "search_limit = 3"))
+    config = write_config(tmp_path, file="small-window.toml", filters={"search_limit": 3})
     result = fleet({**env, "FLEET_CONFIG": str(config)}, "offers", "--model", "tiny", "--region", "eu")
     assert result.returncode == 0, result.stderr
     assert "the answer was full" in result.stdout and "at most 3 offers" in result.stdout

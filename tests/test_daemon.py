@@ -15,32 +15,23 @@ import httpx
 from fleet.control.daemon import cron_tick
 from fleet.core.record import Record, open_database
 from fleet.localcloud.network import free_port
-from tests.fleetkit import without_shipped_serve, write_config
+from tests.fleetkit import write_config
 from tests.helpers import kill_llama_server
 
-FAST = "\n".join(
-    [
-        "",
-        "[rotation]",
-        "unhealthy_after_sweeps = 2",
-        "health_timeout_s = 5",
-        "drain_timeout_s = 5",
-        "health_every_s = 1",
-        "reconcile_every_s = 3600",
-        'reprice_cron = "0 3 * * *"',
-    ]
-)
+FAST = {
+    "unhealthy_after_sweeps": 2,
+    "health_timeout_s": 5,
+    "drain_timeout_s": 5,
+    "health_every_s": 1,
+    "reconcile_every_s": 3600,
+    "reprice_cron": "0 3 * * *",
+}
 
 
-def daemon_config(cloud, tmp_path, extra: str = "") -> dict[str, str]:
-    """The repo's fleet.toml with a fast [rotation] (and `extra`), and the env a daemon and commands run with."""
-    text = write_config(tmp_path).read_text().replace("[rotation]\n", "[rotation-defaults]\n", 1)
-    if "[[serve]]" in extra:
-        text = without_shipped_serve(text)
-    # the repo's [rotation] table is replaced by the fast one
-    text = text[: text.index("[rotation-defaults]")] + text[text.index("[plan]") :] + FAST + "\n"
-    text += f'endpoints_file = "{tmp_path}/endpoints.json"\n' + extra
-    (tmp_path / "fleet.toml").write_text(text)
+def daemon_config(cloud, tmp_path, extra: str = "", **rotation: object) -> dict[str, str]:
+    """The repo's fleet.toml with a fast [rotation] (and `rotation`'s keys, and `extra`: its [[serve]] tables
+    replace the shipped one), and the env a daemon and commands run with."""
+    write_config(tmp_path, extra, rotation={**FAST, **rotation})
     return {
         **os.environ,
         "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
@@ -179,9 +170,7 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
     a person and their scripts do): no job fails, and the database passes SQLite's integrity check. Closing
     any descriptor of the database file drops every POSIX lock the process holds on it, so a process that
     opens the file behind SQLite's back lets another one delete the WAL under the daemon."""
-    env = daemon_config(cloud, tmp_path)
-    config = tmp_path / "fleet.toml"
-    config.write_text(config.read_text().replace("reconcile_every_s = 3600", "reconcile_every_s = 2"))
+    env = daemon_config(cloud, tmp_path, reconcile_every_s=2)
     assert fleet(env, "up", "--model", "tiny", "--region", "eu").returncode == 0
     db_path = tmp_path / "fleet.db"
     log = (tmp_path / "daemon.log").open("w")

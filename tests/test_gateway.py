@@ -468,14 +468,8 @@ def cli_env(fleet: Fleet, module_dir: Path) -> dict[str, str]:
 def cli_env_for(settings: config.Settings, module_dir: Path) -> dict[str, str]:
     """The environment a `fleet` command runs with against this test's record and gateway."""
     g = settings.gateway
-    path = write_config(module_dir)
-    text = path.read_text().replace("[gateway]\n", f'[gateway]\ndirectory = "{g.directory}"\n', 1)
-    text = text.replace("\nport = 8443\n", f"\nport = {g.port}\n", 1).replace(
-        "\nmetrics_port = 9465\n", "\nmetrics_port = 0\n", 1
-    )
-    assert g.directory in text and f"port = {g.port}" in text
-    path = module_dir / f"fleet-{Path(g.directory).name}.toml"
-    path.write_text(text)
+    gateway = {"directory": g.directory, "port": g.port, "metrics_port": 0}
+    path = write_config(module_dir, file=f"fleet-{Path(g.directory).name}.toml", gateway=gateway)
     return {**os.environ, "FLEET_CONFIG": str(path)}
 
 

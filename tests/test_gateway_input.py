@@ -17,7 +17,7 @@ from fleet.engines import registry
 from fleet.gateway.observed import ObservedError, parse_observed
 from fleet.gateway.runtime import RuntimeApiError, checked, parse_servers_state, parse_table
 from fleet.gateway.targets import address_of
-from tests.fleetkit import without_shipped_serve, write_config
+from tests.fleetkit import write_config
 
 
 def fleet_cli(config_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -30,26 +30,20 @@ def fleet_cli(config_path: Path, *args: str, env: dict[str, str] | None = None) 
     )
 
 
-def gateway_config(tmp: Path, extra: str) -> Path:
-    path = write_config(tmp)
-    text = path.read_text().replace("[gateway]\n", f'[gateway]\ndirectory = "{tmp}/gw"\n{extra}', 1)
-    path.write_text(text)
-    return path
+def gateway_config(tmp: Path, **sections: object) -> Path:
+    """The repo's fleet.toml with the record and the gateway's directory in `tmp` (and `sections` laid over)."""
+    return write_config(tmp, **{**sections, "gateway": {"directory": f"{tmp}/gw", **sections.get("gateway", {})}})
 
 
 def test_start_without_a_serve_target_says_so_and_starts_nothing(tmp_path):
-    path = gateway_config(tmp_path, "")
-    path.write_text(without_shipped_serve(path.read_text()))
+    path = gateway_config(tmp_path, serve=None)
     result = fleet_cli(path, "gateway", "start", "--json")
     assert result.returncode == 2 and "no [[serve]] table" in json.loads(result.stdout)["error"]
     assert not (tmp_path / "gw" / "haproxy.pid").exists()
 
 
 def test_an_overflow_without_its_key_is_refused_before_haproxy_starts(tmp_path):
-    path = gateway_config(tmp_path, "")
-    path.write_text(
-        path.read_text() + '\n[gateway.overflow]\nurl = "https://localhost:9/v1"\nkey_env = "NO_SUCH_KEY_X"\n'
-    )
+    path = gateway_config(tmp_path, gateway={"overflow": {"url": "https://localhost:9/v1", "key_env": "NO_SUCH_KEY_X"}})
     result = fleet_cli(path, "gateway", "start")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "set NO_SUCH_KEY_X" in result.stderr
@@ -88,7 +82,7 @@ def test_bad_gateway_settings_are_refused_naming_the_key(tmp_path, extra, says):
 
 
 def test_agent_names_are_checked_and_a_revoke_of_nobody_is_exit_2(tmp_path):
-    path = gateway_config(tmp_path, "")
+    path = gateway_config(tmp_path)
     bad = fleet_cli(path, "gateway", "key", "add", "bad name;", "--json")
     assert bad.returncode == 2 and "an agent's name is letters" in json.loads(bad.stdout)["error"]
     added = fleet_cli(path, "gateway", "key", "add", "alice", "--json")

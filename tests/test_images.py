@@ -23,6 +23,8 @@ def test_host_scripts_pass_shellcheck():
         ROOT / "scripts" / "build-llama-server",
         ROOT / "scripts" / "setup",
         ROOT / "scripts" / "setup-vllm",
+        ROOT / "scripts" / "lib" / "cache-lock.sh",
+        ROOT / "bench" / "gpu" / "pack",
         ROOT / "scripts" / "test",
         ROOT / "scripts" / "lock",
         ROOT / ".ci" / "run",

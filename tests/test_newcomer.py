@@ -87,10 +87,7 @@ def test_files_follow_one_state_directory_and_status_starts_no_cloud(tmp_path, c
 
 
 async def test_a_dead_host_leaves_the_endpoints_at_the_cap_and_health_exits_1(cloud, tmp_path):
-    config = write_config(tmp_path)
-    text = config.read_text().replace("max_hosts_per_model = 4", "max_hosts_per_model = 1")
-    text = text.replace("unhealthy_after_sweeps = 2", "unhealthy_after_sweeps = 1")
-    config.write_text(text)
+    config = write_config(tmp_path, caps={"max_hosts_per_model": 1}, rotation={"unhealthy_after_sweeps": 1})
     env = {**os.environ, "FLEET_CONFIG": str(config), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}
     up = fleet(env, "up", "--model", "tiny", "--region", "eu")
     assert up.returncode == 0, up.stderr

@@ -44,7 +44,7 @@ from fleet.localcloud.llamaproc import llama_server as run_llama_server
 from fleet.probes.server import Server
 from fleet.probes.stream import Connection, StreamError
 from tests import dripper
-from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for, with_variant
+from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for, with_variant, write_config
 from tests.helpers import http_server, listed_instances
 
 
@@ -522,8 +522,7 @@ def test_a_database_off_this_machine_is_reached_only_with_its_certificate_verifi
                 assert "sslmode=verify-full" in json.loads(result.stdout)["error"]
             else:
                 assert len(result.stderr.strip().splitlines()) == 1
-    config = Path(env["FLEET_CONFIG"])
-    config.write_text(config.read_text().replace("[database]\n", f'[database]\nurl = "{remote}"\n', 1))
+    write_config(tmp_path, database={"url": remote})  # the file cli_env wrote, its database's URL in it
     in_file = subprocess.run(
         [sys.executable, "-m", "fleet.cli", "status"], env=env, capture_output=True, text=True, timeout=60
     )

@@ -11,7 +11,7 @@ import pytest
 from fleet.control.sizing import decide, keep
 from fleet.core.config import Serve
 from fleet.core.models import Host, HostState
-from tests.fleetkit import fleet_for, settings_for, without_shipped_serve, write_config
+from tests.fleetkit import fleet_for, settings_for, write_config
 
 
 def host(name: str, usd_per_hour: float) -> Host:
@@ -79,8 +79,7 @@ async def test_serve_keeps_a_target_up_from_the_pool_down_by_draining(_local_clo
 
 
 def test_serve_without_a_target_says_so_in_one_line(tmp_path):
-    config = write_config(tmp_path)
-    config.write_text(without_shipped_serve(config.read_text()))
+    config = write_config(tmp_path, serve=None)
     cli = subprocess.run(
         [sys.executable, "-m", "fleet", "serve"],
         env={**os.environ, "FLEET_CONFIG": str(config)},

@@ -37,9 +37,8 @@ def fleet(tmp_path: Path, cloud, *args: str, crash_at: str | None = None) -> sub
 
 @pytest.fixture
 def config(tmp_path):
-    path = write_config(tmp_path)
     # vast.ai's read lag here is 3 s: a create that left and was never answered is concluded after 10
-    path.write_text(path.read_text().replace("instance_visible = 60 ", "instance_visible = 10 "))
+    write_config(tmp_path, timeouts={"instance_visible": 10})
     return tmp_path
 
 
