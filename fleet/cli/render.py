@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -61,13 +62,35 @@ def warn(*parts: Part) -> None:
 
 
 def table(columns: tuple[str, ...], rows: list[tuple[str, ...]], title: str | None = None, wrap: str = "") -> None:
-    """A table of `rows` (each cell shown as text, never as markup); only the column named `wrap` may wrap."""
+    """A table of `rows` (each cell shown as text, never as markup); only the column named `wrap` may wrap. No
+    cell is ever cut (a host's name or URL is pasted into the next command): written to a file or a pipe, the
+    table takes the width it needs; on a terminal too narrow for it, each row is a block of `column: value`
+    lines instead."""
+    cells = [[clean(cell) for cell in row] for row in rows]
     t = Table(title=title)
     for column in columns:
         t.add_column(column, no_wrap=column != wrap)
-    for row in rows:
-        t.add_row(*(Text(clean(cell)) for cell in row))
-    out.print(t)
+    for row in cells:
+        t.add_row(*(Text(cell) for cell in row))
+    widths = [max([cell_len(c), *(cell_len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    need = sum(widths) + 3 * len(columns) + 1  # each cell's padding and the borders between
+    if need <= out.width or wrap:
+        out.print(t)
+    elif not out.is_terminal:
+        Console(file=out.file, soft_wrap=True, width=need).print(t)
+    else:
+        blocks(columns, cells, title)
+
+
+def blocks(columns: tuple[str, ...], cells: list[list[str]], title: str | None) -> None:
+    """Rows as blocks: the first column's value, then every other column's on a line of its own."""
+    if title:
+        out.print(Text(title, style="italic"))
+    label = max(cell_len(c) for c in columns[1:]) if len(columns) > 1 else 0
+    for row in cells:
+        out.print(Text(row[0], style="bold"), soft_wrap=True)
+        for column, cell in zip(columns[1:], row[1:], strict=True):
+            out.print(Text(f"  {column.ljust(label)}  {cell}"), soft_wrap=True)
 
 
 def offer_row(o: Any, profile: Profile) -> dict[str, Any]:
