@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.engines.replies import DECODE_SLACK
+from fleet.engines.replies import DECODE_SLACK, MOST_COUNT, Timings, count
 from fleet.probes.bench import levels_up_to, percentile, summarize
 from fleet.probes.cache import Rewrite, WarmTurn, judge_cache
 from fleet.probes.gpu import GpuParseError, parse_query_csv
@@ -175,6 +175,30 @@ def test_a_level_reports_the_share_of_drafted_tokens_the_target_accepted():
     nonsense = recorded(20, 100, 32, 900, 1000)
     nonsense.server_timings |= {"draft_n": "many", "draft_n_accepted": -3}
     assert summarize(2, [(1.0, [liar, nonsense])], None, 0).draft_acceptance == 1.0
+
+
+def test_a_number_no_reply_means_reads_as_none_and_stops_nothing():
+    """Security round four: `"predicted_n": 1e400` from a host (JSON's infinity) raised OverflowError in int()
+    past the probes and thermal, stopped `fleet up` "after an unexpected error" and blamed no machine. Every
+    count a reply gives is a whole number from 0 to MOST_COUNT, every rate finite, or it is none."""
+    event = (
+        '{"choices":[{"delta":{"content":"hi"}}],'
+        '"usage":{"prompt_tokens":1e400,"completion_tokens":-4,"total_tokens":12.5,'
+        '"prompt_tokens_details":{"cached_tokens":NaN}},'
+        '"timings":{"predicted_n":1e400,"prompt_n":Infinity,"cache_n":1099511627777,'
+        '"predicted_per_second":1e400,"draft_n":NaN,"draft_n_accepted":3}}'
+    )
+    result = ChatResult(status=200, timing=Timing(None, 1.0, 10.0, 1010.0, True), max_tokens=32)
+    assert Connection._apply(result, event)
+    assert result.usage == {}  # no count in it was a count
+    assert result.served == Timings()  # nor in its timings; the claimed rate is none
+    assert result.decode_tok_s is None and result.whole_tok_s is None
+    level = summarize(1, [(1.0, [result])], one_caller_decode=None, reconnects=0)
+    assert level.throughput_tok_s == 0 and level.decode_per_caller_tok_s is None and level.draft_acceptance is None
+    good = '{"usage":{"prompt_tokens":40,"completion_tokens":8.0,"prompt_tokens_details":{"cached_tokens":32}}}'
+    assert Connection._apply(result, good) is False
+    assert result.usage == {"prompt_tokens": 40, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 32}}
+    assert count(MOST_COUNT) == MOST_COUNT and count(MOST_COUNT + 1) is None and count(True) is None
 
 
 def test_levels_and_percentiles():

@@ -6,13 +6,19 @@ llama-server's every completion carries `timings` (`prompt_n`, `cache_n`, `predi
 its own decode rate; with a draft model, also the tokens drafted and how many of them the target accepted
 (`draft_n`, `draft_n_accepted`). vLLM has no `timings`; its `usage` says the same counts (`prompt_tokens`,
 `prompt_tokens_details.cached_tokens`, `completion_tokens`) and no rate, which the client then measures from
-the tokens' arrival. A field a reply lacks or gives in another type reads as absent, never as a crash.
+the tokens' arrival. A field a reply lacks or gives in another type reads as absent, never as a crash, and so
+does a number no reply means: not finite (JSON's 1e400 reads as infinity), negative, or past any count a reply
+can hold.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+MOST_COUNT = 1 << 40  # tokens: far past any context, far below where a float stops holding an integer
+MOST_RATE = 1e7  # tokens a second: a reply's claimed rate past this is no rate
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ class Timings:
             prompt_n=_count(t.get("prompt_n")),
             cache_n=_count(t.get("cache_n")),
             predicted_n=_count(t.get("predicted_n")),
-            predicted_per_second=float(rate) if isinstance(rate, int | float) and rate > 0 else None,
+            predicted_per_second=float(rate) if _number(rate) and 0 < rate <= MOST_RATE else None,
             draft_n=(drafted := _count(t.get("draft_n"))),
             draft_n_accepted=min(_count(t.get("draft_n_accepted")), drafted),
         )
@@ -72,5 +78,30 @@ def decode_rate(served: Timings, delivered_tok_s: float | None, whole_tok_s: flo
     return whole_tok_s
 
 
+def count(value: object) -> int | None:
+    """A count a host sent, or None when it is none: a whole number from 0 to MOST_COUNT."""
+    if not _number(value) or not 0 <= value <= MOST_COUNT or value != int(value):  # type: ignore[operator]
+        return None
+    return int(value)  # type: ignore[arg-type]
+
+
+USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def usage_counts(usage: object) -> dict[str, Any]:
+    """An OpenAI `usage` as a host sent it, with only its counts that are counts (fleet reads no other field)."""
+    if not isinstance(usage, dict):
+        return {}
+    kept: dict[str, Any] = {k: n for k in USAGE_COUNTS if (n := count(usage.get(k))) is not None}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and (cached := count(details.get("cached_tokens"))) is not None:
+        kept["prompt_tokens_details"] = {"cached_tokens": cached}
+    return kept
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _count(value: object) -> int:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0
+    return count(value) or 0

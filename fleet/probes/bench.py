@@ -18,6 +18,7 @@ from typing import Any
 
 from fleet.engines.base import Engine
 from fleet.engines.registry import LLAMA_SERVER
+from fleet.engines.replies import count
 from fleet.probes.call import Call
 from fleet.probes.server import Server, bounded
 from fleet.probes.stream import ChatResult, Connection
@@ -123,10 +124,12 @@ async def fit_call(
     async with server.client(timeout=60) as client:
         if engine.reports_slots:
             props = (await bounded(client, "GET", "/props", deadline_s=60)).raise_for_status().json()
-            slots = max(int(props.get("total_slots") or 1), 1)
+            props = props if isinstance(props, dict) else {}
+            slots = max(count(props.get("total_slots")) or 1, 1)
             if slots_started is not None:
                 slots = min(slots, slots_started)
-            n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 4096)
+            settings = props.get("default_generation_settings")
+            n_ctx = (count(settings.get("n_ctx")) if isinstance(settings, dict) else None) or 4096
         else:
             slots, n_ctx = max(slots_started or 1, 1), ctx_per_slot or 4096
         body = engine.tokenize_body(call.system)

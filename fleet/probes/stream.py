@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fleet.core.errors import FleetError
-from fleet.engines.replies import Timings, decode_rate
+from fleet.engines.replies import Timings, decode_rate, usage_counts
 from fleet.probes.server import Server
 
 CLOSE_CHECK_S = 0.05
@@ -262,7 +262,7 @@ class Connection:
             result.error = str(event["error"])
             return False
         if event.get("usage"):
-            result.usage = event["usage"]
+            result.usage = usage_counts(event["usage"])
         if event.get("timings"):
             result.server_timings = event["timings"]
         got_content = False
