@@ -16,6 +16,8 @@ from fleet.control.up import UpRequest
 from fleet.core.models import HostState, utcnow
 from fleet.economics.offers import effective_price_per_hour
 from fleet.market import MarketError
+from fleet.market.pacing import Pacer
+from fleet.market.vast import VastMarket
 from tests.fleetkit import first_machine, fleet_for, settings_for, write_config
 from tests.helpers import listed_instances, polite
 
@@ -141,6 +143,33 @@ async def test_a_429_storm_is_retried_within_bounds_and_logged(cloud, tmp_path, 
         cloud.set_faults({})
         await fleet.destroy(None)
     assert any("rate limited (429, 1 in a row); retry" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("retry_after", ["nan", "-5", "1e9", "inf", "soon"])
+async def test_a_retry_after_no_client_would_wait_is_none(cloud, retry_after):
+    """Security round four: Retry-After was taken as it came: `nan` and a negative were retried forever, `1e9`
+    and `inf` waited past rate_limited_wait_s, and the wait stayed in the pacer every process shares. Only a
+    finite wait within 0..rate_limited_wait_s is honoured; any other answer is a 429 with no Retry-After."""
+    cloud.set_faults({"rate_limit": {"count": 2, "paths": ["/api/v0/users/current"], "retry_after": retry_after}})
+    market = VastMarket(f"{cloud.info.url}", cloud.info.api_key(), pacer=Pacer(), rate_limited_wait_s=20.0)
+    try:
+        started = time.monotonic()
+        credit = await asyncio.wait_for(market.credit(), timeout=60)
+        assert credit is not None and time.monotonic() - started < 30
+        assert market.pacer.counters.rate_limited == {"user": 2}
+        assert market.pacer._next["user"] - time.monotonic() < 20  # no wait of 1e9 left for the next caller
+    finally:
+        cloud.set_faults({})
+        await market.close()
+    # a wait within bounds is honoured as asked
+    cloud.set_faults({"rate_limit": {"count": 1, "paths": ["/api/v0/users/current"], "retry_after": "1.5"}})
+    market = VastMarket(f"{cloud.info.url}", cloud.info.api_key(), pacer=Pacer(), rate_limited_wait_s=20.0)
+    try:
+        started = time.monotonic()
+        assert await market.credit() is not None and time.monotonic() - started >= 1.5
+    finally:
+        cloud.set_faults({})
+        await market.close()
 
 
 def test_a_spent_search_quota_stops_with_one_line_and_buys_nothing(cloud, tmp_path):

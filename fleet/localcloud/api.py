@@ -60,8 +60,12 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
             if vast:
                 await cloud.retire_expired()  # what vast.ai deletes in its own time, gone before any answer
                 if cloud.dice.fire(cloud.faults.rate_limit, path):
+                    after = cloud.faults.rate_limit.retry_after if cloud.faults.rate_limit else None
                     return web.Response(
-                        status=429, text="API requests too frequent endpoint threshold=4.5", content_type="text/plain"
+                        status=429,
+                        text="API requests too frequent endpoint threshold=4.5",
+                        content_type="text/plain",
+                        headers={"Retry-After": after} if after is not None else None,
                     )
                 if cloud.dice.fire(cloud.faults.server_error, path):
                     status = cloud.faults.server_error.status if cloud.faults.server_error else 503

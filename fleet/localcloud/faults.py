@@ -18,6 +18,7 @@ class RequestFault:
     share: float = 0.0
     paths: list[str] = field(default_factory=list)  # path prefixes; empty = every API path
     status: int = 429
+    retry_after: str | None = None  # a 429's Retry-After header, as given (any text: a marketplace's words)
 
     def applies(self, path: str) -> bool:
         return not self.paths or any(path.startswith(p) for p in self.paths)

@@ -27,10 +27,24 @@ def is_number(value: Any) -> bool:
     return True
 
 
-def quota_message(reset: str | None) -> str:
+def seconds_within(value: Any, most: float) -> float | None:
+    """A wait the marketplace asked for (a header's text), if it is one: finite and from 0 to `most` seconds.
+    `nan`, a negative or `inf` is none, and so is a wait past what the caller would ever wait (1e9)."""
+    if not is_number(value):
+        return None
+    found = float(value)
+    return found if math.isfinite(found) and 0 <= found <= most else None
+
+
+def reset_time(value: Any) -> float | None:
+    """When a spent quota resets (X-RateLimit-Reset, epoch seconds), if the header says a time."""
+    return float(value) if is_number(value) and math.isfinite(float(value)) else None
+
+
+def quota_message(reset_at: float | None) -> str:
     message = "vast.ai's daily search quota is used up (it resets at 00:00 UTC"
-    if is_number(reset):
-        left = max(float(reset or 0) - time.time(), 0)
+    left = seconds_within(max(reset_at - time.time(), 0), 2 * 86400) if reset_at is not None else None
+    if left is not None:
         message += f", in {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
     return message + "); searches are not retried until then"
 

@@ -41,6 +41,8 @@ from fleet.market.answers import (
     maintenances_from,
     message,
     quota_message,
+    reset_time,
+    seconds_within,
     text_excerpt,
 )
 from fleet.market.pacing import Budget, Pacer, shared_pacer
@@ -141,10 +143,12 @@ class VastMarket:
         status = response.status_code
         if status == 429:
             if isinstance(body, dict) and body.get("error") == "search_quota_exceeded":
-                reset = response.headers.get("X-RateLimit-Reset")
-                raise SearchQuotaExceeded(quota_message(reset), float(reset) if is_number(reset) else None)
-            after = response.headers.get("Retry-After")
-            raise RateLimited(f"{method} {path}: rate limited", float(after) if is_number(after) else None)
+                reset_at = reset_time(response.headers.get("X-RateLimit-Reset"))
+                raise SearchQuotaExceeded(quota_message(reset_at), reset_at)
+            # a Retry-After is taken only as a wait this client would ever make (nan, negative, 1e9 and inf are
+            # none): an unbounded one waited forever in the pacer every process of the install shares
+            after = seconds_within(response.headers.get("Retry-After"), self._rate_limited_wait_s)
+            raise RateLimited(f"{method} {path}: rate limited", after)
         if status >= 500:
             raise Transient(f"{method} {path}: HTTP {status}")
         # vast.ai's error bodies vary: some omit `success`, some `error`, some are not JSON at all. What an
