@@ -25,6 +25,7 @@ from fleet.control import gateway
 from fleet.control.up import UpRequest
 from fleet.core import tls
 from fleet.core.config import Serve
+from fleet.core.gatewayrecord import revoke_agent_key
 from fleet.gateway import acme, process
 from fleet.gateway.files import files_for
 from tests.fleetkit import fleet_for, settings_for
@@ -179,3 +180,46 @@ async def test_an_acme_ca_that_refuses_says_why_in_one_line_and_leaves_no_gatewa
             await gateway.start(fleet)
         assert "\n" not in str(refused.value)
     assert process.running_pid(files_for(settings)) is None
+
+
+async def test_a_refused_renewal_holds_back_no_revocation_and_waits_out_a_backoff(pebble, tmp_path):
+    """Security round four: the daemon's beat renewed before it applied the record, so a renewal the CA refused
+    skipped the apply: a key revoked elsewhere went on working for three beats, and certbot ran with
+    --force-renewal at every beat (an ACME CA limits failed validations). The record is applied first; a refused
+    renewal is asked again only after a backoff."""
+    settings = acme_settings(tmp_path, pebble)
+    async with fleet_for(settings) as fleet:
+        try:
+            await gateway.start(fleet)
+            key = await gateway.add_key(fleet, "voice")
+            (tmp_path / "root.pem").write_bytes(pebble.root())
+            verify = ssl.create_default_context(cafile=str(tmp_path / "root.pem"))
+
+            async def answer() -> int:
+                async with httpx.AsyncClient(verify=verify, timeout=30) as client:
+                    reply = await client.post(
+                        f"https://127.0.0.1:{settings.gateway.port}/v1/chat/completions",
+                        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                        headers={"Authorization": f"Bearer {key}"},
+                        extensions={"sni_hostname": DOMAIN},
+                    )
+                    return reply.status_code
+
+            assert await answer() == 503  # the key is good; no host serves yet
+            # the renewal is due (another name) and the CA refuses it (no ACME directory there)
+            refusing = settings.gateway.acme.model_copy(
+                update={"domain": "other." + DOMAIN, "directory": pebble.directory.replace("/dir", "/gone")}
+            )
+            fleet.settings = settings.model_copy(
+                update={"gateway": settings.gateway.model_copy(update={"acme": refusing})}
+            )
+            assert revoke_agent_key(fleet.record, "voice") == 1  # revoked by another machine's fleet
+            await gateway.keep(fleet)  # the daemon's beat: no error past it
+            assert await answer() == 401  # the revocation was applied all the same
+            failures = acme.folder(files_for(settings)) / "failures"
+            count, next_try = failures.read_text().split()
+            assert count == "1" and float(next_try) > time.time() + acme.FIRST_RETRY_S - 5
+            await gateway.keep(fleet)  # within the backoff: the CA is not asked again
+            assert failures.read_text().split()[0] == "1"
+        finally:
+            await gateway.stop(fleet)

@@ -131,9 +131,15 @@ async def keep(ctx: Context) -> SyncReport | None:
         pid = await process.start(files, ctx.settings, targets(ctx.settings), _ca(ctx))
         _record(ctx, "restart", {"pid": pid})
         ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
-    else:
+        return await apply(ctx)
+    # the record first: a renewal the CA refuses must not hold back a revoked key, a drain or a new host
+    report = await apply(ctx)
+    try:
         await renew(ctx)
-    return await apply(ctx)
+    except acme.AcmeError as e:
+        _record(ctx, "renew-refused", {"error": str(e)[:300]})
+        ctx.reporter.info("gateway", f"{e}; the certificate it serves stays until the next try")
+    return report
 
 
 async def renew(ctx: Context) -> list[str]:
@@ -144,8 +150,14 @@ async def renew(ctx: Context) -> list[str]:
     domain = ctx.settings.gateway.acme.domain
     if domain and process.running_pid(files) is not None:
         authority = load_certificate(_ca(ctx).certificate_path)
-        if authority is not None and acme.due(files, domain, authority.subject):
-            await acme.issue(files, ctx.settings)  # the CA checks the domain through the running HAProxy
+        now = time.time()
+        if authority is not None and acme.due(files, domain, authority.subject) and acme.may_try(files, now):
+            try:
+                await acme.issue(files, ctx.settings)  # the CA checks the domain through the running HAProxy
+            except acme.AcmeError as e:
+                wait = acme.refused(files, now)
+                raise acme.AcmeError(f"{e}; asked again in {wait:.0f}s at the earliest") from None
+            acme.renewed(files)
             changed = [*changed, files.pem] if files.pem not in changed else changed
     if changed and process.running_pid(files) is not None:
         runtime = Runtime(files.socket)

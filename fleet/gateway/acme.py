@@ -34,6 +34,41 @@ def folder(files: GatewayFiles) -> Path:
     return files.directory / "acme"  # certbot's account, its work and its logs (private: the account key)
 
 
+# A renewal the CA refused is asked again after a backoff, never at every daemon beat: an ACME CA limits failed
+# validations (Let's Encrypt: 5 an hour per account and name), and certbot ran with --force-renewal every 2 s
+FIRST_RETRY_S = 60.0
+LAST_RETRY_S = 6 * 3600.0
+
+
+def _failures(files: GatewayFiles) -> Path:
+    return folder(files) / "failures"  # "COUNT NEXT_TRY_EPOCH": renewals refused in a row, and when to ask again
+
+
+def may_try(files: GatewayFiles, now: float) -> bool:
+    """Whether a renewal may ask the CA now: no refusal on record, or its backoff has run out."""
+    try:
+        _, next_try = _failures(files).read_text().split()
+        return now >= float(next_try)
+    except (OSError, ValueError):
+        return True
+
+
+def refused(files: GatewayFiles, now: float) -> float:
+    """Count a refused renewal; the seconds until the next try (doubling from FIRST_RETRY_S to LAST_RETRY_S)."""
+    try:
+        count = int(_failures(files).read_text().split()[0]) + 1
+    except (OSError, ValueError, IndexError):
+        count = 1
+    wait = min(FIRST_RETRY_S * 2 ** (count - 1), LAST_RETRY_S)
+    folder(files).mkdir(mode=0o700, parents=True, exist_ok=True)
+    _failures(files).write_text(f"{count} {now + wait:.0f}\n")
+    return wait
+
+
+def renewed(files: GatewayFiles) -> None:
+    _failures(files).unlink(missing_ok=True)
+
+
 def due(files: GatewayFiles, domain: str, provisional_issuer: x509.Name) -> bool:
     """Whether the agents' door needs a certificate from the ACME CA now: it serves the provisional one (signed by
     fleet's CA), one for another name, or one that ends within 30 days."""
