@@ -229,3 +229,35 @@ async def test_an_haproxy_without_the_observe_filter_reports_nothing_observed_an
                 break
             await asyncio.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists()
+
+
+async def test_a_gateway_folder_another_user_made_is_refused_and_nothing_starts(tmp_path):
+    """Security round four: prepare() made the folder with exist_ok and chmod 0700; a folder another uid made
+    first (as root, the chmod succeeds on it) left that user free to swap the Lua, the maps or the certificate
+    HAProxy reads. It is refused, in one line, before anything is written or started."""
+    from fleet.core.config import ConfigError
+    from fleet.core.tls import ensure_ca
+    from fleet.gateway import process
+    from fleet.gateway.files import GatewayCa, files_for
+    from fleet.gateway.targets import targets
+    from tests.fleetkit import settings_for
+    from tests.test_gateway import free_port
+
+    base = settings_for(tmp_path)
+    taken = tmp_path / "gw"
+    taken.mkdir()
+    os.chown(taken, 65534, 65534)  # nobody's
+    settings = base.model_copy(
+        update={
+            "serve": [config.Serve(model="tiny", region="eu")],
+            "gateway": base.gateway.model_copy(
+                update={"directory": str(taken), "port": free_port(), "metrics_port": 0}
+            ),
+        }
+    )
+    files = files_for(settings)
+    with pytest.raises(ConfigError, match="not a folder of this user's") as refused:
+        await process.start(files, settings, targets(settings), GatewayCa.of(ensure_ca(tmp_path / "tls", "test CA")))
+    assert "\n" not in str(refused.value)
+    assert list(taken.iterdir()) == [] and process.running_pid(files) is None
+    assert taken.stat().st_uid == 65534 and taken.stat().st_mode & 0o777 == 0o755  # untouched

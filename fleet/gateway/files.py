@@ -148,6 +148,17 @@ def _check_private(folder: Path) -> None:
         raise ConfigError(f"{folder}: not a private folder of this user's (mode 0700): the gateway's sockets go there")
 
 
+def _check_own(folder: Path) -> None:
+    """The gateway's folder is this user's own, not a link: a folder another user made first (its mode made 0700
+    by root's chmod all the same) would let that user swap the Lua, the maps and the certificate HAProxy reads."""
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise ConfigError(
+            f"{folder}: not a folder of this user's (owner uid {info.st_uid}): the gateway's configuration, keys and "
+            "certificate go there; remove it or name another in [gateway] directory"
+        )
+
+
 def files_for(settings: Settings) -> GatewayFiles:
     directory = settings.gateway.directory
     return GatewayFiles(Path(os.path.expanduser(directory)) if directory else paths.state_dir() / "gateway")
@@ -157,6 +168,7 @@ def prepare(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
     """The folder, its certificate (the user's, or one fleet's CA signs), the Lua (admission, observation), the
     maps' empty files."""
     files.directory.mkdir(parents=True, exist_ok=True)
+    _check_own(files.directory)
     files.directory.chmod(0o700)
     with contextlib.suppress(FileExistsError):
         files.doors.mkdir(mode=0o700)
