@@ -16,7 +16,7 @@ from fleet.core import record as db
 from fleet.core.models import Event, JobRun, OfferSeen, utcnow
 from fleet.core.retention import prune
 from fleet.engines import registry
-from fleet.engines.llama_server import cache_args, server_argv
+from fleet.engines.llama_server import cache_args, server_argv, without_draft
 from fleet.probes import template as chat_template
 from tests.test_machines import host as machine_host
 
@@ -51,6 +51,23 @@ def test_server_argv_fills_file_references_and_adds_port_and_alias():
     assert argv[argv.index("--chat-template-file") + 1] == "fleet-run/chat-template.jinja"
     assert not any("{file." in a for a in argv)
     assert "--chat-template-file" not in server_argv(settings.profile("tiny"), 41000, {"main": "m.gguf"})
+
+
+def test_a_host_past_draft_max_slots_starts_without_its_draft_model():
+    """Issue 43: at 64 streams on an H100 the a4b replica's draft cost 36% of the decode; a profile says the most
+    slots at which its draft pays, and a host with more (fill_card on a big card) runs without it."""
+    settings = registry.load(ROOT / "fleet.toml")
+    a4b = settings.profile("a4b").model_copy(update={"draft_max_slots": 16})
+    files = {"main": "m.gguf", "draft": "d.gguf"}
+    within = server_argv(a4b, 41000, files)
+    assert within[within.index("-md") + 1] == "d.gguf" and within[within.index("--spec-type") + 1] == "draft-mtp"
+    past = server_argv(registry.engine_of(a4b).with_slots(a4b, 17), 41000, files)
+    assert not any(a in past for a in ("-md", "d.gguf", "--spec-type", "draft-mtp", "--spec-draft-n-max"))
+    assert past[past.index("-np") + 1] == "17" and past[past.index("--top-k") + 1] == "64"  # the rest as it was
+    drafted = ["-ngl", "99", "--model-draft=x", "--spec-draft-backend-sampling", "-ngld", "99", "-fa", "on"]
+    assert without_draft(drafted) == ["-ngl", "99", "-fa", "on"]
+    with pytest.raises(ValueError, match="draft_max_slots: the args name no draft model"):
+        registry.engine_of(a4b).check_profile(settings.profile("tiny").model_copy(update={"draft_max_slots": 4}))
 
 
 def test_a_multi_slot_host_gets_a_kv_stream_per_slot_unless_the_profile_asks_for_one_shared_cache():

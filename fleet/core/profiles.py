@@ -88,6 +88,10 @@ class Profile(Strict):
     # each keeping its cache. -np and -c follow on each host; `fleet status` shows its slots.
     fill_card: bool = False
     max_slots: Annotated[int | None, Field(ge=1, le=256)] = None
+    # The most slots at which a host runs the draft model its args name: a host with more (fill_card on a big
+    # card) starts without the draft's flags. A draft pays at N calls only while its acceptance (`fleet bench`:
+    # draft accepted) beats what its check costs the pass there (README, "A draft model at many calls").
+    draft_max_slots: Annotated[int | None, Field(ge=1, le=256)] = None
     traffic_gb_per_hour: Traffic = Traffic()
     files: list[ModelFile] = []  # llama-server: the GGUF files, one of them key "main"
     snapshot: Snapshot | None = None  # vllm: the repository

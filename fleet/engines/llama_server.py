@@ -60,10 +60,47 @@ def cache_args(profile: Profile) -> list[str]:
     return added
 
 
+# llama-server's flags of a draft model (common/arg.cpp: every --spec-* flag, and their older names); those in
+# DRAFT_SWITCHES take no value, every other one takes the next argument
+DRAFT_FLAGS = ("-md", "--model-draft", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "-devd",
+               "--device-draft", "-td", "--threads-draft", "-tbd", "--threads-batch-draft", "-ctkd",
+               "--cache-type-k-draft", "-ctvd", "--cache-type-v-draft", "--draft-p-min", "--draft-p-split", "-hfd",
+               "-hfrd", "--hf-repo-draft", "-otd", "--override-tensor-draft", "-ncmoed", "--n-cpu-moe-draft",
+               "-cmoed", "--cpu-moe-draft")  # fmt: skip
+DRAFT_SWITCHES = ("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft", "--spec-draft-backend-sampling",
+                  "--no-spec-draft-backend-sampling")  # fmt: skip
+
+
+def _is_draft_flag(arg: str) -> bool:
+    flag = arg.split("=", 1)[0]
+    return flag.startswith(("--spec-", "--no-spec-")) or flag in DRAFT_FLAGS
+
+
+def without_draft(args: list[str]) -> list[str]:
+    """The args with every draft model flag (and its value) left out."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif _is_draft_flag(arg):
+            skip = "=" not in arg and arg not in DRAFT_SWITCHES
+        else:
+            kept.append(arg)
+    return kept
+
+
+def runs_draft(profile: Profile) -> bool:
+    """Whether a host of the profile at its slots starts its draft model (the args name one, and the slots are
+    at most draft_max_slots)."""
+    names_one = any(_is_draft_flag(a) for a in profile.args)
+    return names_one and (profile.draft_max_slots is None or profile.slots <= profile.draft_max_slots)
+
+
 def profile_args(profile: Profile) -> list[str]:
-    """The profile's flags as fleet runs them: its own, then the cache layout and the bound on the RAM prompt
-    cache fleet adds ({file.key} unfilled)."""
-    return [*profile.args, *cache_args(profile), "--cache-ram", str(profile.cache_ram_mib)]
+    """The profile's flags as fleet runs them: its own (without its draft model's past draft_max_slots), then
+    the cache layout and the bound on the RAM prompt cache fleet adds ({file.key} unfilled)."""
+    own = profile.args if runs_draft(profile) else without_draft(profile.args)
+    return [*own, *cache_args(profile), "--cache-ram", str(profile.cache_ram_mib)]
 
 
 def host_ram_gb(profile: Profile) -> float:
@@ -121,6 +158,8 @@ class LlamaServer(Engine):
         for flag in CACHE_RAM:
             if any(a == flag or a.startswith(flag + "=") for a in args):
                 raise ValueError(f"args: {flag} is set by fleet from the profile's cache_ram_mib")
+        if profile.draft_max_slots is not None and not any(_is_draft_flag(a) for a in args):
+            raise ValueError("draft_max_slots: the args name no draft model (-md, --spec-draft-model)")
         if profile.fill_card and not ("-np" in args and "-c" in args):
             raise ValueError("fill_card: the args must give -np and -c, which fleet sets for each host's card")
         # slots and ctx_per_slot are what -np and -c say; where the args say it, they must agree
