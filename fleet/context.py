@@ -126,11 +126,11 @@ class InstallBudget:
         # a call in flight holds the turn at most its request's timeout and interval (its process may die)
         hold = self._request_timeout_s + pace.interval_s
         claim = partial(claim_turn, self._record, f"{endpoint} {self._url}", pace.interval_s, pace.per_minute)
-        return await asyncio.to_thread(claim, time.time(), hold)
+        return await asyncio.to_thread(claim, None, hold)  # the record's clock: every machine's the same
 
     async def release(self, endpoint: str, pace: Pace, token: float) -> None:
         release = partial(release_turn, self._record, f"{endpoint} {self._url}", token, pace.interval_s)
-        await asyncio.to_thread(release, time.time())
+        await asyncio.to_thread(release, None)
 
 
 class Context:

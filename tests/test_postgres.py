@@ -1,6 +1,7 @@
 """The PostgreSQL path against a real server: the same migrations, fleet up on it, and two daemons
 sharing it: each tick of a job runs once, and a dead host is replaced once."""
 
+import asyncio
 import json
 import os
 import re
@@ -120,3 +121,30 @@ def test_turns_at_the_marketplace_on_postgres(postgres_url):
     engine = db.open_database(postgres_url)
     check_turns(Record(engine))
     engine.dispose()
+
+
+async def test_a_machine_whose_clock_runs_ahead_stalls_no_other_at_the_marketplace(postgres_url, monkeypatch):
+    """Security round four: the install's budget of marketplace calls took each machine's own clock, so one running
+    an hour ahead held every turn it took an hour into the others' future. Its times are PostgreSQL's now."""
+    from fleet.context import InstallBudget
+    from fleet.core.record import Record
+    from fleet.market.pacing import Pace
+
+    engine = db.open_database(postgres_url)
+    try:
+        pace = Pace(interval_s=0.5)
+        ahead = InstallBudget(Record(engine), "http://market", 30.0)
+        right = InstallBudget(Record(engine), "http://market", 30.0)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # this process's clock, an hour ahead
+        token, wait = await ahead.claim("list", pace)
+        assert token is not None and wait == 0.0
+        await ahead.release("list", pace, token)
+        monkeypatch.setattr(time, "time", real)
+        started = time.monotonic()
+        while (turn := await right.claim("list", pace))[0] is None:  # the other machine, its clock right
+            assert turn[1] < 5, f"asked to wait {turn[1]:.0f}s"
+            await asyncio.sleep(turn[1])
+        assert time.monotonic() - started < 5
+    finally:
+        engine.dispose()
