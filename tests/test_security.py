@@ -494,6 +494,25 @@ def test_an_address_fleet_would_connect_to_must_be_global():
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False) is not None  # no name where an IP belongs
     assert addresses.refusal("ssh5.vast.ai", loopback_ok=False, names_ok=True) is None  # the SSH gateway
     assert addresses.refusal("ssh5.vast.ai;reboot", loopback_ok=False, names_ok=True) is not None
+    # security round four: any name passed, and some addresses the standard library calls global lead elsewhere
+    for name in ("localhost", "2130706433", "127.1", "ssh\uff15.vast.ai", "ssh5.vast.ai.evil.example", "sshx.vast.ai"):
+        assert addresses.refusal(name, loopback_ok=True, names_ok=True) is not None, name
+    for address in ("::ffff:0:a00:5", "fec0::1", "ff02::1", "ff0e::1"):  # SIIT, site-local, multicast
+        assert addresses.refusal(address, loopback_ok=True, names_ok=True) is not None, address
+
+
+async def test_an_ssh_gateway_name_is_held_to_the_rule_by_every_address_it_resolves_to(monkeypatch):
+    with pytest.raises(PhaseFailed, match=r"where vast\.ai's SSH gateway"):
+        await addresses.require_resolved("localhost", 22, loopback_ok=True)
+    await addresses.require_resolved("127.0.0.2", 22, loopback_ok=True)  # the local cloud's gateway: an address
+    # a gateway name that resolves somewhere fleet may not connect (here the only name this machine resolves
+    # without a network, let through as a gateway's name): refused by the address it leads to
+    monkeypatch.setattr(addresses, "SSH_GATEWAY_NAME", re.compile(r"localhost(\.invalid)?"))
+    with pytest.raises(PhaseFailed, match=r"its SSH gateway localhost resolves to (127\.0\.0\.1|::1): .*not a global"):
+        await addresses.require_resolved("localhost", 22, loopback_ok=False)
+    await addresses.require_resolved("localhost", 22, loopback_ok=True)  # on the local cloud, loopback is the host
+    with pytest.raises(PhaseFailed, match="does not resolve"):
+        await addresses.require_resolved("localhost.invalid", 22, loopback_ok=True)
 
 
 def test_a_database_off_this_machine_is_reached_only_with_its_certificate_verified(cloud, tmp_path):

@@ -221,7 +221,7 @@ class BringUp:
         if endpoint is None or service is None:
             raise PhaseFailed("boot", f"running without an SSH endpoint or a mapping of port {SERVICE_PORT}")
         loopback_ok = self.ctx.settings.provider.is_local
-        addresses.require(endpoint[0], loopback_ok=loopback_ok, names_ok=True)
+        await addresses.require_resolved(endpoint[0], endpoint[1], loopback_ok=loopback_ok)
         addresses.require(service[0], loopback_ok=loopback_ok)
         try:
             async with self.ctx.waits.on("ssh"):
