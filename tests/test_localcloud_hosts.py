@@ -276,3 +276,26 @@ async def test_a_boot_that_fails_unforeseen_leaves_its_instance_exited_saying_wh
         if taken is not None:
             taken.unlink(missing_ok=True)
         cloud.set_faults({})
+
+
+async def test_the_accounts_environment_variables_reach_every_container(cloud, api):
+    """vast.ai's account-level variables (`vastai create env-var`) go into every container the account rents
+    (docs/vast-fidelity.md); an instance's own variables of the same name win."""
+    created = await api.post("/api/v0/secrets/", json={"key": "team_secret", "value": "from-the-account"})
+    assert created.status_code == 200
+    try:
+        listed = (await api.get("/api/v0/secrets/")).json()
+        assert listed == {"secrets": {"TEAM_SECRET": "from-the-account"}}  # the name in upper case, as vast.ai
+        offer = await cheapest_offer(api)
+        onstart = 'echo "$TEAM_SECRET" > account-env.txt'
+        instance_id = await rent(api, offer["id"], onstart=onstart)
+        seen = cloud.info.state_dir / "hosts" / str(instance_id) / "root" / "account-env.txt"
+        deadline = time.monotonic() + 60
+        while not (seen.exists() and seen.read_text()):
+            assert time.monotonic() < deadline, "onstart never wrote the variable"
+            await asyncio.sleep(0.1)
+        assert seen.read_text().strip() == "from-the-account"
+        await destroy(api, instance_id)
+    finally:
+        assert (await api.request("DELETE", "/api/v0/secrets/", json={"key": "TEAM_SECRET"})).status_code == 200
+    assert (await api.get("/api/v0/secrets/")).json() == {"secrets": {}}

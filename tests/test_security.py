@@ -700,3 +700,27 @@ async def test_a_machine_without_the_installs_ca_makes_none_of_its_own(tmp_path)
     async with fleet_for(settings) as fleet:
         with pytest.raises(ConfigError, match="is not the one this install's hosts trust"):
             assert fleet.tls is None
+
+
+def test_up_says_the_accounts_environment_variables_reach_every_host_and_never_their_values(cloud, tmp_path):
+    """Security round four: vast.ai puts the account's own environment variables into every container it rents,
+    so a Hugging Face token kept there reaches every host whatever fleet keeps from them. `fleet up` names them
+    (never their values) and says to keep no secret there."""
+    value = "hf-not-a-real-token-" + os.urandom(6).hex()
+    env = cli_env(cloud, tmp_path)
+    key = cloud.info.api_key()
+    headers = {"Authorization": f"Bearer {key}"}
+    created = httpx.post(f"{cloud.info.url}/api/v0/secrets/", json={"key": "hf_token", "value": value}, headers=headers)
+    assert created.status_code == 200 and created.json()["success"] is True
+    try:
+        up = subprocess.run(
+            [sys.executable, "-m", "fleet.cli", "up", "--model", "tiny", "--region", "eu"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        said = up.stdout + up.stderr
+        assert "environment variables reach every host it rents (HF_TOKEN)" in said and value not in said
+        # (test_localcloud_hosts.py shows the local cloud puts it in every container, as vast.ai does)
+    finally:
+        subprocess.run([sys.executable, "-m", "fleet.cli", "destroy", "--all", "--yes"], env=env, timeout=300)
+        httpx.request("DELETE", f"{cloud.info.url}/api/v0/secrets/", json={"key": "HF_TOKEN"}, headers=headers)

@@ -80,6 +80,16 @@ class OfferPicker:
         self._held.discard(offer.machine_id)
 
 
+def warn_account_env(ctx: Context, names: list[str] | None) -> None:
+    """The account's environment variables reach every host it rents, whatever fleet keeps from its hosts: say
+    so once per `up` (a Hugging Face token kept there breaks "the token goes to no host")."""
+    if names:
+        ctx.reporter.info(
+            "fleet",
+            f"the account's environment variables reach every host it rents ({', '.join(names[:10])}"
+            f"{', ...' if len(names) > 10 else ''}): keep no secret there (`vastai delete env-var NAME`)",
+        )
+
 async def up(ctx: Context, request: UpRequest) -> UpResult:
     profile = ctx.settings.profile(request.model)
     ctx.settings.region(request.region)
@@ -106,6 +116,7 @@ async def up(ctx: Context, request: UpRequest) -> UpResult:
                 f"the account's credit is spent (${credit:.2f}): vast.ai rents nothing and stops every instance "
                 "until it is topped up; nothing was created"
             )
+        warn_account_env(ctx, await ctx.market.account_env_names())
         try:
             await ctx.market.ensure_ssh_key(ctx.ssh_key.public)
         except AuthError as e:

@@ -147,6 +147,30 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def user(request: web.Request) -> web.Response:
         return json_response(cloud.user())
 
+    async def env_list(request: web.Request) -> web.Response:
+        return json_response({"secrets": dict(cloud.state.account_env)})
+
+    async def env_set(request: web.Request) -> web.Response:
+        # vast.ai: "Environment variable key name (will be converted to uppercase)"; POST adds, PUT updates
+        body = await request.json()
+        key, value = (
+            body.get("key") if isinstance(body, dict) else None,
+            body.get("value") if isinstance(body, dict) else None,
+        )
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise ApiError(400, "invalid_args", "key and value are required")
+        cloud.state.account_env[key.upper()] = value
+        cloud.save()
+        return json_response({"success": True, "msg": "Environment variable added successfully"})
+
+    async def env_delete(request: web.Request) -> web.Response:
+        body = await request.json()
+        key = body.get("key") if isinstance(body, dict) else None
+        if not isinstance(key, str) or cloud.state.account_env.pop(key.upper(), None) is None:
+            raise ApiError(404, "not_found", "Environment variable not found")
+        cloud.save()
+        return json_response({"success": True, "msg": "Operation completed successfully"})
+
     async def charges(request: web.Request) -> web.Response:
         try:
             filters = json.loads(request.query.get("select_filters", "{}"))
@@ -232,6 +256,10 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("DELETE", "/api/v0/instances/{id}/", destroy)
     both("GET", "/api/v0/users/current", user)
     both("GET", "/api/v0/charges/", charges)
+    both("GET", "/api/v0/secrets/", env_list)
+    both("POST", "/api/v0/secrets/", env_set)
+    both("PUT", "/api/v0/secrets/", env_set)
+    both("DELETE", "/api/v0/secrets/", env_delete)
     both("GET", "/api/v0/ssh/", ssh_list)
     both("POST", "/api/v0/ssh/", ssh_add)
     both("DELETE", "/api/v0/ssh/{id}/", ssh_delete)
@@ -273,6 +301,10 @@ PERMISSIONS = {
     ("POST", "/api/v0/instances/{id}/ssh/"): "instance_write",
     ("GET", "/api/v0/users/current"): "user_read",
     ("GET", "/api/v0/ssh/"): "user_read",
+    ("GET", "/api/v0/secrets/"): "user_read",
+    ("POST", "/api/v0/secrets/"): "user_write",
+    ("PUT", "/api/v0/secrets/"): "user_write",
+    ("DELETE", "/api/v0/secrets/"): "user_write",
     ("POST", "/api/v0/ssh/"): "user_write",
     ("DELETE", "/api/v0/ssh/{id}/"): "user_write",
     ("GET", "/api/v0/charges/"): "billing_read",

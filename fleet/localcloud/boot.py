@@ -179,7 +179,7 @@ class Booting:
             await net.stop()
             return
         host = self.host_for(inst)
-        env = inst.container_env()
+        env = {**self.state.account_env, **inst.container_env()}  # the account's variables reach every container
         boot_steps = [host.prepare, host.start_platform_sshd if inst.ssh_mode else lambda: host.start_entrypoint(env)]
         if not await self._host_steps(inst, boot_steps):
             if self._networks.pop(inst.id, None) is not None:

@@ -56,6 +56,8 @@ class State:
     destroyed: list[int] = field(default_factory=list)  # ids that existed: show answers them as gone
     # the last row of some of those: show answers it with the statuses of a destroyed instance
     destroyed_rows: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # the account's environment variables (`vastai create env-var`): in every container it rents
+    account_env: dict[str, str] = field(default_factory=dict)
 
 
 def load_state(path: Path) -> State:
@@ -72,6 +74,7 @@ def load_state(path: Path) -> State:
         removed_offers=raw.get("removed_offers", []),
         destroyed=raw.get("destroyed", []),
         destroyed_rows={int(k): v for k, v in raw.get("destroyed_rows", {}).items()},
+        account_env=raw.get("account_env", {}),
     )
 
 
@@ -86,6 +89,7 @@ def save_state(path: Path, s: State) -> None:
         "removed_offers": s.removed_offers,
         "destroyed": s.destroyed,
         "destroyed_rows": {str(k): v for k, v in s.destroyed_rows.items()},
+        "account_env": s.account_env,
     }
     write_json_atomic(path, raw)
 

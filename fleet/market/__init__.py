@@ -339,6 +339,11 @@ class Market(Protocol):
         """The account's available credit in $, or None when the marketplace does not say. At zero vast.ai
         stops every instance and rents nothing more."""
 
+    async def account_env_names(self) -> list[str] | None:
+        """The names of the account's own environment variables, which the marketplace puts into every instance
+        it rents (vast.ai: `vastai show env-vars`); their values are never kept. None when the key may not read
+        them."""
+
     async def destroy(self, instance_id: int) -> None:
         """Destroy the instance. Idempotent: an instance already gone is success."""
 

@@ -328,6 +328,18 @@ class VastMarket:
             return None
         return float(value)
 
+    async def account_env_names(self) -> list[str] | None:
+        """GET /secrets/ answers {"secrets": {NAME: VALUE}} (vast-cli's `show env-vars`), the values in clear:
+        the names alone are kept, each bounded, and the answer dropped at once."""
+        try:
+            answer = await self._request("user", "GET", "/api/v0/secrets/")
+        except (AuthError, NotFound):
+            return None
+        found = answer.get("secrets") if isinstance(answer, dict) else None
+        if not isinstance(found, dict):
+            return None
+        return sorted(name[:64] for name in list(found)[:200] if isinstance(name, str) and name.isprintable())
+
     async def destroy(self, instance_id: int) -> None:
         try:
             await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
