@@ -107,6 +107,18 @@ def pebble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pebble]:
                 process.wait(10)
 
 
+async def turn_by_domain(root: Path, port: int, key: str) -> httpx.Response:
+    """One turn through the gateway as an agent that trusts the ACME CA's root alone and names the domain."""
+    verify = ssl.create_default_context(cafile=str(root))
+    async with httpx.AsyncClient(verify=verify, timeout=30) as client:
+        return await client.post(
+            f"https://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            headers={"Authorization": f"Bearer {key}"},
+            extensions={"sni_hostname": DOMAIN},
+        )
+
+
 def acme_settings(base: Path, pebble: Pebble, **acme_keys):
     settings = settings_for(base)
     values = {
@@ -149,16 +161,9 @@ async def test_the_gateway_gets_its_domains_certificate_by_acme_and_agents_need_
             # an agent that trusts the ACME CA's root alone (here Pebble's, a public CA's on vast.ai) and names
             # the domain: verified, and served through
             (tmp_path / "root.pem").write_bytes(pebble.root())
-            verify = ssl.create_default_context(cafile=str(tmp_path / "root.pem"))
             port = settings.serve[0].port or settings.gateway.port
-            async with httpx.AsyncClient(verify=verify, timeout=30) as client:
-                reply = await client.post(
-                    f"https://127.0.0.1:{port}/v1/chat/completions",
-                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                    headers={"Authorization": f"Bearer {key}"},
-                    extensions={"sni_hostname": DOMAIN},
-                )
-                assert reply.status_code == 200, reply.text
+            reply = await turn_by_domain(tmp_path / "root.pem", port, key)
+            assert reply.status_code == 200, reply.text
             # fleet's CA vouches for nothing at the agents' door any more
             with (
                 pytest.raises(ssl.SSLCertVerificationError),
@@ -193,17 +198,9 @@ async def test_a_refused_renewal_holds_back_no_revocation_and_waits_out_a_backof
             await gateway.start(fleet)
             key = await gateway.add_key(fleet, "voice")
             (tmp_path / "root.pem").write_bytes(pebble.root())
-            verify = ssl.create_default_context(cafile=str(tmp_path / "root.pem"))
 
             async def answer() -> int:
-                async with httpx.AsyncClient(verify=verify, timeout=30) as client:
-                    reply = await client.post(
-                        f"https://127.0.0.1:{settings.gateway.port}/v1/chat/completions",
-                        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                        headers={"Authorization": f"Bearer {key}"},
-                        extensions={"sni_hostname": DOMAIN},
-                    )
-                    return reply.status_code
+                return (await turn_by_domain(tmp_path / "root.pem", settings.gateway.port, key)).status_code
 
             assert await answer() == 503  # the key is good; no host serves yet
             # the renewal is due (another name) and the CA refuses it (no ACME directory there)
