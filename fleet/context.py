@@ -273,9 +273,14 @@ class Context:
         """The host's llama-server key, derived from the secret beside fleet's SSH key and the host's nonce."""
         if host.api_key_nonce is None:
             return host.api_key  # started before keys were derived
+        return host_api_key(self.key_secret, host.name, host.api_key_nonce)
+
+    @property
+    def key_secret(self) -> bytes:
+        """The secret beside fleet's SSH key that every key fleet derives comes from (never in the record)."""
         if self._key_secret is None:
             self._key_secret = ensure_secret(key_secret_path(self.settings))
-        return host_api_key(self._key_secret, host.name, host.api_key_nonce)
+        return self._key_secret
 
     def server(self, host: Host) -> Server:
         """How to reach a host's llama-server: its URL, its key, its certificate checked against fleet's CA."""

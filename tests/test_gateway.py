@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from fleet.control import gateway, thermal
 from fleet.control.daemon import gateway_metrics
 from fleet.control.up import UpRequest
 from fleet.core import config, tls
+from fleet.core.apikeys import access_log_key
 from fleet.core.config import Serve
 from fleet.core.models import BenchRun, HostState
 from fleet.core.tls import ensure_ca, sign_server
@@ -350,7 +352,10 @@ async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_wit
     async with client(gw, "fa-not-a-key") as c:
         assert (await c.post(CHAT, json=turn("hi"))).status_code == 401
     log = files_for(gw.settings).access_log
-    call = hashlib.sha256(b"logan/call-log-1").digest()[:8].hex()
+    # the call's name keyed by the install's secret (security round four: an unkeyed SHA-256 of "agent/call id"
+    # let anyone with the log try phone numbers and emails against it)
+    call = hmac.new(access_log_key(gw.key_secret), b"logan/call-log-1", hashlib.sha256).digest()[:8].hex()
+    unkeyed = hashlib.sha256(b"logan/call-log-1").digest()[:8].hex()
     for _ in range(200):  # HAProxy writes a request's line once its answer has gone
         lines = [dict(f.split("=", 1) for f in line.split()) for line in log.read_text().splitlines()]
         lines = [line for line in lines if line["status"] != "-"]  # the refused handshakes' lines
@@ -364,7 +369,7 @@ async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_wit
     assert served[0]["admit"] == "new" and int(served[0]["total_ms"]) >= 0 and int(served[0]["first_content_ms"]) >= 0
     assert [(line["agent"], line["host"]) for line in lines if line["status"] == "401"] == [("-", "-")]
     text = log.read_text()
-    assert "date of birth" not in text and "call-log-1" not in text and key not in text
+    assert "date of birth" not in text and "call-log-1" not in text and key not in text and unkeyed not in text
     assert log.stat().st_mode & 0o777 == 0o600
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.context import Context, tls_dir
+from fleet.core.apikeys import access_log_key
 from fleet.core.config import Settings
 from fleet.core.errors import BadInput
 from fleet.core.files import write_private, write_public
@@ -85,7 +86,7 @@ async def start(ctx: Context) -> dict[str, Any]:
     files = _files(ctx)
     found = _targets(ctx)
     running = process.running_pid(files)
-    pid = await process.start(files, ctx.settings, found, _ca(ctx))
+    pid = await process.start(files, ctx.settings, found, _ca(ctx), access_log_key(ctx.key_secret))
     try:
         report = await sync(ctx, files, found)
         if ctx.settings.gateway.acme.domain:
@@ -128,7 +129,7 @@ async def keep(ctx: Context) -> SyncReport | None:
     if not _wanted(files) or not ctx.settings.serve:
         return None
     if process.running_pid(files) is None:
-        pid = await process.start(files, ctx.settings, targets(ctx.settings), _ca(ctx))
+        pid = await process.start(files, ctx.settings, targets(ctx.settings), _ca(ctx), access_log_key(ctx.key_secret))
         _record(ctx, "restart", {"pid": pid})
         ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
         return await apply(ctx)

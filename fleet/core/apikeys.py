@@ -36,6 +36,12 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+def access_log_key(secret: bytes) -> bytes:
+    """The key the gateway's access log hashes each call's name with (agent and call id: often a phone number
+    or an email, which an unkeyed hash would let anyone with the log try guesses against)."""
+    return hmac.new(secret, b"fleet gateway access log: call", hashlib.sha256).digest()
+
+
 def host_api_key(secret: bytes, host_name: str, nonce: str) -> str:
     """The key llama-server on `host_name` was started with (as long as `token_urlsafe(32)`)."""
     digest = hmac.new(secret, f"fleet host api key\n{host_name}\n{nonce}".encode(), hashlib.sha256).digest()

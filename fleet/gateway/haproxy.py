@@ -166,6 +166,9 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
     ]
 
 
+CALL_KEY_ENV = "FLEET_CALL_LOG_KEY"  # HAProxy's environment alone holds the access log's key (base64)
+
+
 def _access_log_format(target: Target, files: GatewayFiles) -> str:
     """A line a request, never its content: when, which agent, which call (its key hashed), admitted how, the
     host that served it (as its certificate names it), the status, the times and the bytes sent back."""
@@ -174,7 +177,8 @@ def _access_log_format(target: Target, files: GatewayFiles) -> str:
         "target": target.alias,
         "client": "%ci",
         "agent": "%[var(txn.agent)]",
-        "call": "%[var(txn.call),sha2(256),bytes(0,8),hex,lower]",
+        # keyed: a call's name is often a phone number or an email, which an unkeyed hash lets a reader guess
+        "call": f"%[var(txn.call),hmac(sha256,${{{CALL_KEY_ENV}}}),bytes(0,8),hex,lower]",
         "admit": "%[var(txn.admit)]",
         "host": f"%[srv_name,regsub(^s,{target.section_prefix}),map({files.name_map})]",
         "status": "%ST",

@@ -4,9 +4,11 @@ by its pid file (and its command line, which names that configuration), stopped 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from fleet.core.errors import BadInput, FleetError
 from fleet.core.files import write_public
 from fleet.gateway import answers
 from fleet.gateway.files import GatewayCa, GatewayFiles, prepare
-from fleet.gateway.haproxy import render
+from fleet.gateway.haproxy import CALL_KEY_ENV, render
 from fleet.gateway.targets import Target
 
 START_TIMEOUT_S = 10.0
@@ -61,7 +63,9 @@ def write_configuration(files: GatewayFiles, settings: Settings, targets: list[T
     write_public(files.config, render(settings, targets, files, str(ca.certificate_path)).encode())
 
 
-async def start(files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa) -> int:
+async def start(
+    files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa, call_key: bytes | None = None
+) -> int:
     """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers.
 
     HAProxy runs in the foreground of a session of its own, its standard output appended to the access log
@@ -71,7 +75,12 @@ async def start(files: GatewayFiles, settings: Settings, targets: list[Target], 
     if pid is not None:
         return pid
     binary = haproxy_binary()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    # the access log's key for calls' names (fleet's own, derived: the same on every gateway of the install);
+    # none given, one of this run's alone
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        CALL_KEY_ENV: base64.b64encode(call_key or secrets.token_bytes(32)).decode(),
+    }
     overflow = settings.gateway.overflow
     if overflow.url:
         key = os.environ.get(overflow.key_env)
