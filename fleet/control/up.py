@@ -90,6 +90,7 @@ def warn_account_env(ctx: Context, names: list[str] | None) -> None:
             f"{', ...' if len(names) > 10 else ''}): keep no secret there (`vastai delete env-var NAME`)",
         )
 
+
 async def up(ctx: Context, request: UpRequest) -> UpResult:
     profile = ctx.settings.profile(request.model)
     ctx.settings.region(request.region)
