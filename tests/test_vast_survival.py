@@ -221,3 +221,24 @@ async def _until(fleet, instance_id: int, status: str, timeout_s: float = 60):
             return instance
         await asyncio.sleep(0.5)
     raise AssertionError(f"instance {instance_id} not {status} after {timeout_s:g}s")
+
+
+async def test_a_malformed_offer_is_skipped_and_counted_and_the_search_goes_on(cloud, tmp_path):
+    """vast.ai round four: one row with `gpu_name` or `num_gpus` null made Offer.from_raw raise for the whole answer,
+    so every `fleet up` stopped at the search. The row is skipped and counted in the funnel."""
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        before = await fleet.offers("tiny", "eu")
+        broken = [o.id for o in before.passed[:2]]
+        async with cloud.client() as api:
+            for offer_id, bad in zip(broken, ({"gpu_name": None}, {"num_gpus": None}), strict=True):
+                (await api.put(f"/admin/offers/{offer_id}", json=bad)).raise_for_status()
+        try:
+            after = await fleet.offers("tiny", "eu")
+        finally:
+            async with cloud.client() as api:
+                for offer_id, field in zip(broken, ("gpu_name", "num_gpus"), strict=True):
+                    good = next(o for o in before.passed if o.id == offer_id)
+                    (await api.put(f"/admin/offers/{offer_id}", json={field: good.raw[field]})).raise_for_status()
+    assert ("malformed offer (its row skipped)", 2) in after.removed
+    assert after.seen == before.seen and {o.id for o in after.passed} == {o.id for o in before.passed} - set(broken)

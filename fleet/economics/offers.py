@@ -155,7 +155,10 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query:
     result = Funnel(limit=query.limit if query else None, asked=asked(query) if query else "", pull_gb=criteria.pull_gb)
     remaining = list(offers)
     result.offers = list(remaining)
-    result.seen = len(remaining)
+    malformed = getattr(offers, "malformed", 0)  # rows the marketplace answered that were no offer
+    result.seen = len(remaining) + malformed
+    if malformed:
+        result.removed.append(("malformed offer (its row skipped)", malformed))
     for name, check in _checks(criteria):
         kept = [o for o in remaining if check(o)]
         result.removed.append((name, len(remaining) - len(kept)))

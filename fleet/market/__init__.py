@@ -155,6 +155,13 @@ class Offer:
         return offer
 
 
+class Offers(list[Offer]):
+    """A search's answer: the offers that parsed, and how many rows did not (skipped, never the whole answer:
+    one row with `gpu_name` null or a NaN price said nothing of the others)."""
+
+    malformed: int = 0
+
+
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
@@ -310,7 +317,7 @@ BOOT_ERRORS = ("OCI runtime create failed", "Error response from daemon", "faile
 class Market(Protocol):
     url: str
 
-    async def search(self, query: OfferQuery) -> list[Offer]:
+    async def search(self, query: OfferQuery) -> Offers:
         """Offers matching the query, as the marketplace filters them (no local re-check).
         Raises MarketError on a malformed answer: an unparseable listing is never "no offers"."""
 

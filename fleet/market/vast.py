@@ -29,6 +29,7 @@ from fleet.market import (
     Offer,
     OfferGone,
     OfferQuery,
+    Offers,
     RateLimited,
     SearchQuotaExceeded,
     Transient,
@@ -169,7 +170,7 @@ class VastMarket:
             raise MarketError(f"{method} {path}: HTTP {status} with a body that is not JSON")
         return body
 
-    async def search(self, query: OfferQuery) -> list[Offer]:
+    async def search(self, query: OfferQuery) -> Offers:
         # The pool (where, rentable now, enough GPU memory), and every filter the search understands unless
         # only the pool is asked for. fleet re-checks each of them on the answer (economics/offers.py).
         body: dict[str, Any] = {
@@ -190,7 +191,14 @@ class VastMarket:
         offers = answer.get("offers") if isinstance(answer, dict) else None
         if not isinstance(offers, list):
             raise MarketError("search answered without an offers list")
-        return [Offer.from_raw(row) for row in offers]
+        found = Offers()
+        for row in offers:
+            try:
+                found.append(Offer.from_raw(row))
+            except MarketError as e:
+                found.malformed += 1
+                log.warning("search: %s (skipped)", e)
+        return found
 
     async def missing_permissions(self, only: tuple[str, ...] | None = None) -> dict[str, str]:
         """The permissions fleet needs that this key lacks, each with what fleet needs it for (empty: none), by one
