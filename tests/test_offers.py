@@ -9,7 +9,7 @@ from fleet.economics.offers import Criteria, OfferQuery, effective_price_per_hou
 from fleet.engines.llama_server import COMPUTE_CAPS
 from fleet.localcloud import catalog
 from fleet.market import Offer
-from fleet.market.vast import search_filters
+from fleet.market.search import search_filters
 
 NOW = time.time()
 
