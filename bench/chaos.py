@@ -187,7 +187,7 @@ def lying_listing(bed: Bed, rng: random.Random) -> None:
 def maintenance_announced(bed: Bed, rng: random.Random) -> None:
     # the cheapest machine goes down for maintenance in an hour: never rented, and nothing is blamed
     [first] = bed.first_machines(1)
-    bed.faults({"maintenances": {str(first): [time.time() + 3600, 2.0]}})
+    bed.faults({"maintenances": {str(first): [time.time() + 3600, 2.0]}, "renter_reads_maintenances": True})
     bed.fleet(*UP)
     bed.own["machine in maintenance rented"] = int(any(h["machine_id"] == first for h in bed.hosts()))
     bed.own["machines blacklisted"] = bed.blacklisted()

@@ -16,6 +16,7 @@ import pytest
 from fleet.control import rotation
 from fleet.control.up import UpRequest
 from fleet.core.models import HostState, as_utc, utcnow
+from fleet.economics.offers import MAINTENANCE_UNKNOWN
 from fleet.market import AuthError, reads_gone
 from fleet.market.pacing import Pacer
 from fleet.market.vast import VastMarket
@@ -287,21 +288,22 @@ async def test_a_machine_announced_for_maintenance_is_not_rented_and_a_host_on_o
     make before break, blaming no machine; a machine in its window is down in the local cloud."""
     settings = settings_for(tmp_path)
     first = await first_machine(settings)
-    cloud.set_faults({"maintenances": {first: [time.time() + 3600, 2.0]}})
+    answered = {"renter_reads_maintenances": True}  # where vast.ai answers a renter's key (no source says)
+    cloud.set_faults({"maintenances": {first: [time.time() + 3600, 2.0]}, **answered})
     try:
         async with fleet_for(settings) as fleet:
             funnel = await fleet.offers("tiny", "eu")
             assert ("no maintenance announced within 48 h", 1) in funnel.removed
             [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
             assert host.machine_id != first
-            cloud.set_faults({"maintenances": {host.machine_id: [time.time() + 2 * 3600, 1.0]}})
+            cloud.set_faults({"maintenances": {host.machine_id: [time.time() + 2 * 3600, 1.0]}, **answered})
             [report] = await rotation.health_sweep(fleet)
             assert "maintenance starts at" in report.reason and report.replaced_by, report
             [new] = fleet.record.hosts(names=[report.replaced_by])
             assert new.state == HostState.READY and new.machine_id != host.machine_id
             assert fleet.record.blacklist() == []
             # the local cloud takes a machine down for its window
-            cloud.set_faults({"maintenances": {new.machine_id: [time.time() + 1, 1.0]}})
+            cloud.set_faults({"maintenances": {new.machine_id: [time.time() + 1, 1.0]}, **answered})
             async with cloud.client() as api:
                 deadline = time.monotonic() + 30
                 while (await polite(api, "GET", f"/api/v0/instances/{new.instance_id}/")).json()["instances"][
@@ -309,6 +311,26 @@ async def test_a_machine_announced_for_maintenance_is_not_rented_and_a_host_on_o
                 ] != "offline":
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.5)
+            await fleet.destroy(None)
+    finally:
+        cloud.set_faults({})
+
+
+async def test_maintenance_windows_a_renter_may_not_read_are_unknown_and_stop_no_search_or_sweep(cloud, tmp_path):
+    """vast.ai round four: vast-cli labels `show maints` a host's command. fleet read it on every search and every
+    health sweep and raised on a refusal, so `fleet up` died at the search and every sweep aborted. A refusal
+    (the local cloud's default, the harder reading) is "windows unknown": said in the funnel, and nothing stops."""
+    settings = settings_for(tmp_path)
+    first = await first_machine(settings)
+    cloud.set_faults({"maintenances": {first: [time.time() + 3600, 2.0]}})  # announced, but not to a renter
+    try:
+        async with fleet_for(settings) as fleet:
+            funnel = await fleet.offers("tiny", "eu")
+            assert funnel.unknown == [MAINTENANCE_UNKNOWN] and funnel.passed
+            assert not any(name.startswith("no maintenance announced") for name, _ in funnel.removed)
+            [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
+            [report] = await rotation.health_sweep(fleet)  # the sweep runs to its end
+            assert report.name == host.name and report.healthy and report.replaced_by is None, report
             await fleet.destroy(None)
     finally:
         cloud.set_faults({})

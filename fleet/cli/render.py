@@ -134,6 +134,8 @@ def offers(title: str, rows: list[dict[str, Any]], funnel: Any) -> None:
     for name, count in funnel.removed:
         line(f"  - {count:4d} removed by {name}")
     line(f"  = {len(rows)} pass")
+    for what in funnel.unknown:
+        line(("unknown", "yellow"), f": {what}")
     if funnel.truncated:
         dearest = max((o.dph_total for o in funnel.offers), default=0.0)
         line(

@@ -175,7 +175,8 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
     checks = await asyncio.gather(*(checked(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
     reports, doomed = [], []
     ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
-    windows = await ctx.market.maintenances(sorted({h.machine_id for h in hosts})) if hosts else []
+    # windows unknown (the marketplace would not say): the sweep goes on without them, never aborted
+    windows = (await ctx.market.maintenances(sorted({h.machine_id for h in hosts})) if hosts else []) or []
     for host, ((healthy, gone, reason), memory) in zip(hosts, checks, strict=True):
         take_extension(ctx, host, view.get(host.instance_id or -1))
         failures = 0 if healthy else host.health_failures + 1

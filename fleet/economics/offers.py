@@ -50,6 +50,7 @@ class Funnel:
     limit: int | None = None  # the most offers the search could answer
     pull_gb: float = 0.0  # what a bring-up downloads: ranked at each offer's $/GB
     asked: str = ""  # the filters the marketplace applied before answering
+    unknown: list[str] = field(default_factory=list)  # what the marketplace would not say, so no filter judged it
 
     @property
     def truncated(self) -> bool:
@@ -64,6 +65,7 @@ class Funnel:
             "limit": self.limit,
             "removed": [{"filter": n, "count": c} for n, c in self.removed],
             "passed": len(self.passed),
+            "unknown": list(self.unknown),
         }
 
 
@@ -167,9 +169,16 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query:
     return result
 
 
-def without_maintenance(result: Funnel, windows: Iterable[Maintenance], until: float) -> Funnel:
+MAINTENANCE_UNKNOWN = "maintenance windows (the marketplace would not say: none taken into account)"
+
+
+def without_maintenance(result: Funnel, windows: Iterable[Maintenance] | None, until: float) -> Funnel:
     """The funnel less the offers whose machine is down for an announced maintenance before `until` (epoch s: as
-    long as a host there must serve), counted as one more filter."""
+    long as a host there must serve), counted as one more filter; `windows` None (the marketplace would not say):
+    the funnel says so, and nothing is removed."""
+    if windows is None:
+        result.unknown.append(MAINTENANCE_UNKNOWN)
+        return result
     down = {w.machine_id for w in windows if w.start < until}
     kept = [o for o in result.passed if o.machine_id not in down]
     hours = max((until - time.time()) / 3600, 0.0)

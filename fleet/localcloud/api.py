@@ -225,6 +225,8 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         )
 
     async def maintenances(request: web.Request) -> web.Response:
+        if not cloud.faults.renter_reads_maintenances:
+            raise ApiError(403, "forbidden", "only the host of these machines may read their maintenances")
         try:
             ids = json.loads(request.query.get("machine_ids", "[]"))
         except ValueError:

@@ -103,6 +103,9 @@ class Faults:
     # machines' announced maintenance windows: machine -> [start (epoch s), duration (hours)]; an instance there
     # goes offline for the window (the machine is down)
     maintenances: dict[int, list[float]] = field(default_factory=dict)
+    # `show maints` is a host's command (vast-cli: "[Host] Show maintenance information for host machines"):
+    # a renter's key is refused unless this says the marketplace answers renters too
+    renter_reads_maintenances: bool = False
     # images' compressed sizes (bytes) beside the local cloud's own table: what a create's pull downloads
     image_sizes: dict[str, int] = field(default_factory=dict)
     # how long an expired instance is kept before vast.ai deletes it (None: its 48 h)
@@ -155,6 +158,7 @@ class Faults:
             expired_kept_s=float(data["expired_kept_s"]) if data.get("expired_kept_s") is not None else None,
             image_sizes={str(k): int(v) for k, v in data.get("image_sizes", {}).items()},
             maintenances={int(k): [float(v[0]), float(v[1])] for k, v in data.get("maintenances", {}).items()},
+            renter_reads_maintenances=bool(data.get("renter_reads_maintenances", False)),
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],

@@ -317,15 +317,23 @@ class VastMarket:
         that may not register one on the account (POST /ssh/ needs user_write)."""
         await self._request("ssh_attach", "POST", f"/api/v0/instances/{instance_id}/ssh/", json={"ssh_key": public_key})
 
-    async def maintenances(self, machine_ids: list[int]) -> list[Maintenance]:
+    async def maintenances(self, machine_ids: list[int]) -> list[Maintenance] | None:
         """The maintenance windows announced for these machines that have not ended (vast.ai's `show maints`:
-        GET /machines/maintenances, readable with instance_read); a malformed answer is an error."""
+        GET /machines/maintenances). vast-cli labels it a host's command, and only its api_scopes hint that a
+        renter may call it: a refusal or an answer that is not a list of windows is None, "unknown", never an
+        error that stops a search or a sweep."""
         found: list[Maintenance] = []
         for i in range(0, len(machine_ids), PAGE * 4):
             ids = sorted(set(machine_ids[i : i + PAGE * 4]))
             params = {"owner": "me", "machine_ids": json.dumps(ids)}
-            answer = await self._request("maintenances", "GET", "/api/v0/machines/maintenances", params=params)
-            found += maintenances_from(answer)
+            try:
+                answer = await self._request("maintenances", "GET", "/api/v0/machines/maintenances", params=params)
+                found += maintenances_from(answer)
+            except (AuthError, NotFound, BadRequest, MarketError) as e:
+                if isinstance(e, RateLimited | Transient):
+                    raise
+                log.warning("maintenance windows unknown: %s", e)
+                return None
         return found
 
     async def credit(self) -> float | None:
