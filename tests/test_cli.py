@@ -182,7 +182,7 @@ def test_up_status_endpoints_destroy_all_end_to_end(env, cloud):
     assert [h["state"] for h in status] == ["ready", "ready"]
     # written to a pipe, the table cuts no host's name nor URL: a user pastes them into the next command
     table = fleet(env, "status").stdout
-    assert all(h["name"] in table and h["api_url"] in table for h in status), table
+    assert all(h["name"] in table and h["endpoint"] in table for h in status), table
     endpoints = json.loads(fleet(env, "endpoints", "--json").stdout)
     assert len(endpoints) == 2 and all("api_key" not in e for e in endpoints)
     assert all({"url", "model", "slots"} <= set(e) for e in endpoints)
