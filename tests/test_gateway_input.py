@@ -256,8 +256,13 @@ async def test_a_gateway_folder_another_user_made_is_refused_and_nothing_starts(
         }
     )
     files = files_for(settings)
-    with pytest.raises(ConfigError, match="not a folder of this user's") as refused:
-        await process.start(files, settings, targets(settings), GatewayCa.of(ensure_ca(tmp_path / "tls", "test CA")))
+    try:
+        with pytest.raises(ConfigError, match="not a folder of this user's") as refused:
+            await process.start(
+                files, settings, targets(settings), GatewayCa.of(ensure_ca(tmp_path / "tls", "test CA"))
+            )
+    finally:
+        await process.stop(files)  # an HAProxy started in spite of the folder is ended here, never left running
     assert "\n" not in str(refused.value)
     assert list(taken.iterdir()) == [] and process.running_pid(files) is None
     assert taken.stat().st_uid == 65534 and taken.stat().st_mode & 0o777 == 0o755  # untouched
