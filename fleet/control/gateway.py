@@ -82,11 +82,16 @@ def peer_certificate(ctx: Context, name: str, out: Path) -> dict[str, str]:
     return {"name": name, "certificate_file": str(certificate_path), "key_file": str(key_path)}
 
 
+async def _start(ctx: Context, files: GatewayFiles, found: list[Target]) -> int:
+    """HAProxy started for these targets, with the access log's key for calls' names derived from fleet's secret."""
+    return await process.start(files, ctx.settings, found, _ca(ctx), access_log_key(ctx.key_secret))
+
+
 async def start(ctx: Context) -> dict[str, Any]:
     files = _files(ctx)
     found = _targets(ctx)
     running = process.running_pid(files)
-    pid = await process.start(files, ctx.settings, found, _ca(ctx), access_log_key(ctx.key_secret))
+    pid = await _start(ctx, files, found)
     try:
         report = await sync(ctx, files, found)
         if ctx.settings.gateway.acme.domain:
@@ -129,7 +134,7 @@ async def keep(ctx: Context) -> SyncReport | None:
     if not _wanted(files) or not ctx.settings.serve:
         return None
     if process.running_pid(files) is None:
-        pid = await process.start(files, ctx.settings, targets(ctx.settings), _ca(ctx), access_log_key(ctx.key_secret))
+        pid = await _start(ctx, files, targets(ctx.settings))
         _record(ctx, "restart", {"pid": pid})
         ctx.reporter.info("gateway", f"HAProxy was not running: started again (pid {pid})")
         return await apply(ctx)

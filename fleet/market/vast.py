@@ -329,9 +329,9 @@ class VastMarket:
             try:
                 answer = await self._request("maintenances", "GET", "/api/v0/machines/maintenances", params=params)
                 found += maintenances_from(answer)
-            except (AuthError, NotFound, BadRequest, MarketError) as e:
-                if isinstance(e, RateLimited | Transient):
-                    raise
+            except (RateLimited, Transient):
+                raise  # retried already as far as allowed: the caller's to handle
+            except MarketError as e:
                 log.warning("maintenance windows unknown: %s", e)
                 return None
         return found
