@@ -96,10 +96,12 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             slowed, other = hosts[before[0]], hosts[before[1]]  # slow the one that ranks first
             sag_soon(cloud, slowed.instance_id, delay_s=0.0, ramp_s=0.1, share=0.8)
             # the target: a third of the one-caller decode rate the healthy host shows (the slowed one keeps a
-            # fifth); its best of three, as a busy machine only ever lowers a rate
+            # fifth); its best of three, as a busy machine only ever lowers a rate. Replies of 256 tokens decode
+            # over several of the sag's 100 ms periods: one of 64 could fall mostly in a running spell (CI once
+            # read the slowed host at 2 callers above a third)
             rates = []
             for _ in range(3):
-                probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=64, load="speakers")
+                probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=256, load="speakers")
                 rates.append(probe.levels[0].decode_per_caller_tok_s)
             rate = max(rates)
             target = tiny.voice.model_copy(update={"first_content_p95_ms": 5000, "decode_tok_s": rate / 3})
@@ -107,8 +109,8 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
                 update={"models": {**fleet.settings.models, "tiny": tiny.model_copy(update={"voice": target})}}
             )
             # speakers alone: the ranking reads a machine's measured capacity (calls where they were measured)
-            healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=64, load="speakers")
-            hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=64, load="speakers")
+            healthy = await fleet.bench(other.name, max_callers=2, waves=1, warmup=0, max_tokens=256, load="speakers")
+            hot = await fleet.bench(slowed.name, max_callers=2, waves=1, warmup=0, max_tokens=256, load="speakers")
             cloud.set_faults({})  # the card cools, then heats up again once the probe has its cold sample
             sagging = asyncio.create_task(sag_after_first_reply(cloud, fleet, slowed))
             [thermal] = await fleet.probe(slowed.name, only=["thermal"])

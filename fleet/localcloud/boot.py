@@ -267,6 +267,7 @@ class Booting:
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
         period = 0.1
+        owed = 0.0  # the stopped time a decode sag still owes
         while inst.id in self.state.instances and inst.status == "running":
             running_for = time.time() - (inst.running_at or time.time())
             ended = self._platform_stop_reason(inst)
@@ -311,12 +312,18 @@ class Booting:
             sag = self.faults.decode_sag.get(inst.machine_id)
             share = sag.stop_share(running_for) if sag else 0.0
             if share > 0:
+                # stopped for `share` of the wall clock, however late a busy event loop wakes: a running spell
+                # that overslept is made up by the next stop (at most one period's worth)
                 pids = _llama_server_pids(inst.token)
+                began = time.monotonic()
                 procs.pause(pids)
-                await asyncio.sleep(period * share)
+                await asyncio.sleep(period * share + owed)
                 procs.resume(pids)
+                stopped = time.monotonic() - began
                 await asyncio.sleep(period * (1 - share))
+                owed = min(period, max(0.0, owed + share * (time.monotonic() - began) - stopped))
             else:
+                owed = 0.0
                 await asyncio.sleep(period)
 
 
