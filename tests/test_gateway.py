@@ -569,13 +569,23 @@ async def test_a_full_target_overflows_new_calls_and_refuses_them_at_once_withou
         assert third.status_code == 200, third.text
         # ... and it went to the overflow, not to a host: the host's calls are still streaming
         assert not any(s.done for s in held)
+        # the overflow's cache serves every agent of the account alike: what it took from it, and the prompt
+        # tokens it processed besides, are not the agent's to read
+        again = await c.post(CHAT, json=turn("a new call", 4), headers={"X-Session-Id": "third-again"})
+        assert again.status_code == 200, again.text
+        assert again.json()["timings"]["cache_n"] == 0 and again.json()["timings"]["prompt_n"] == 0, again.text
+        assert not any(s.done for s in held)  # the hosts were busy: the overflow answered it
+        trust = ssl.create_default_context(cafile=str(ca))
+        async with httpx.AsyncClient(verify=trust, headers={"Authorization": f"Bearer {overflow_key}"}) as direct:
+            seen = (await direct.post(f"{url}/chat/completions", json=turn("a new call", 4), timeout=60)).json()
+        assert seen["timings"]["cache_n"] > 0, seen  # the overflow had cached it: there was something to hide
         status = await gateway.status(fleet)
-        assert status["targets"][0]["calls"].get("overflowed") == 1
-        assert status["targets"][0]["calls"].get("full") == 1
+        assert status["targets"][0]["calls"].get("overflowed") == 2
+        assert status["targets"][0]["calls"].get("full") == 2
         # a turn of a call in progress is never refused: it waits for its own host
         turn_two = await c.post(CHAT, json=turn("held-1 again", 4), headers={"X-Session-Id": "held-1"})
         assert turn_two.status_code == 200
-        assert (await gateway.status(fleet))["targets"][0]["calls"].get("overflowed") == 1
+        assert (await gateway.status(fleet))["targets"][0]["calls"].get("overflowed") == 2
 
     # the same target with no overflow: a new call on a full target gets 503 and Retry-After, not a queue
     async with full_target(cloud, base, "frank") as (fleet, c, held):

@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from fleet.core.config import Serve
 from fleet.core.gatewayrecord import revoke_agent_key
 from fleet.gateway import acme, process
 from fleet.gateway.files import files_for
+from fleet.gateway.runtime import Runtime
 from tests.fleetkit import fleet_for, settings_for
 from tests.test_gateway import free_port, wait_hosts_up
 
@@ -130,7 +132,6 @@ def acme_settings(base: Path, pebble: Pebble, **acme_keys):
             "directory": pebble.directory,
             "ca_file": str(pebble.ca_file),
             "http_port": pebble.http_port,
-            "certbot_port": free_port(),
             **acme_keys,
         },
     }
@@ -171,9 +172,57 @@ async def test_the_gateway_gets_its_domains_certificate_by_acme_and_agents_need_
             ):
                 fleet.tls.wrap_socket(tcp, server_hostname=DOMAIN).close()
             assert await gateway.renew(fleet) == []  # a fresh certificate: nothing to renew
+            # the issuance is over: the challenge it answered is answered no more
+            async with httpx.AsyncClient(timeout=10) as plain:
+                answered = await plain.get(f"http://127.0.0.1:{pebble.http_port}/.well-known/acme-challenge/x")
+            assert answered.status_code == 404 and not (await acme_entries(files))
         finally:
             await gateway.stop(fleet)
             await fleet.destroy(None)
+
+
+async def acme_entries(files) -> list[str]:
+    return [line for line in (await Runtime(files.socket).run(f"show map {files.acme_map}"))[0].splitlines() if line]
+
+
+async def test_only_fleets_issuance_answers_an_acme_challenge(pebble, tmp_path):
+    """Security round four: HAProxy handed every challenge to a loopback port that was free whenever certbot was
+    not running, and a local user who listened there answered the CA and got a certificate for the domain.
+    HAProxy now answers a challenge from its own memory, which fleet's issuance alone fills over the admin
+    socket: a listener on any port is never asked, and a token nobody put there is not found."""
+    settings = acme_settings(tmp_path, pebble)
+    files = files_for(settings)
+    rogue = socket.socket()
+    rogue.bind(("127.0.0.1", 8402))  # the port challenges went to (certbot's), held by someone else
+    rogue.listen()
+    rogue.settimeout(0.1)
+    try:
+        async with fleet_for(settings) as fleet:
+            try:
+                await gateway.start(fleet)  # issued through the map: the rogue listener was never asked
+                with pytest.raises(TimeoutError):
+                    rogue.accept()
+                url = f"http://127.0.0.1:{pebble.http_port}/.well-known/acme-challenge"
+                async with httpx.AsyncClient(timeout=10) as plain:
+                    assert (await plain.get(f"{url}/someone-elses-token")).status_code == 404
+                    # what certbot's hook puts there (fleet's user alone reaches the socket) is what is answered
+                    env = {"CERTBOT_TOKEN": "tok_EN-1", "CERTBOT_VALIDATION": "tok_EN-1.thumb", "FLEET_ACME_MAP":
+                           str(files.acme_map), "FLEET_ACME_SOCKET": str(files.socket)}  # fmt: skip
+                    hook = [sys.executable, "-m", "fleet.gateway.acmehook"]
+                    assert subprocess.run([*hook, "add"], env={**os.environ, **env}).returncode == 0
+                    answered = await plain.get(f"{url}/tok_EN-1")
+                    assert (answered.status_code, answered.text) == (200, "tok_EN-1.thumb")
+                    assert subprocess.run([*hook, "del"], env={**os.environ, **env}).returncode == 0
+                    assert (await plain.get(f"{url}/tok_EN-1")).status_code == 404
+                    # a hook handed what no ACME CA sends puts nothing on the socket
+                    bad = {**env, "CERTBOT_TOKEN": "x y", "CERTBOT_VALIDATION": "x y.z"}
+                    refused = subprocess.run([*hook, "add"], env={**os.environ, **bad}, capture_output=True, text=True)
+                    assert refused.returncode == 2 and "not an ACME token" in refused.stderr
+                    assert not await acme_entries(files)
+            finally:
+                await gateway.stop(fleet)
+    finally:
+        rogue.close()
 
 
 async def test_an_acme_ca_that_refuses_says_why_in_one_line_and_leaves_no_gateway(pebble, tmp_path):

@@ -62,6 +62,9 @@ def test_an_overflow_without_its_key_is_refused_before_haproxy_starts(tmp_path):
         ('[gateway]\npeers = ["a=10.0.0.1:1000"]\npeer_name = "b"\n', "name this instance among gateway.peers"),
         ("[gateway]\nmetrics_port = 8443\n", "taken by another gateway endpoint"),
         ("[gateway]\nmax_body_kb = 100000\n", "max_body_kb"),
+        ('[gateway.cache_groups]\nclinic = ["alice", "bad name"]\n', "not an agent's name"),
+        ('[gateway.cache_groups]\nclinic = ["alice"]\nlab = ["alice"]\n', "one at most"),
+        ('[gateway.cache_groups]\n"two words" = ["alice"]\n', "a group's name"),
     ],
 )
 def test_bad_gateway_settings_are_refused_naming_the_key(tmp_path, extra, says):

@@ -6,6 +6,7 @@ it. A vLLM server takes most of a minute to start on two cores: the module start
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,10 +17,12 @@ import pytest
 from fleet.app import Fleet
 from fleet.control import gateway
 from fleet.control.up import UpRequest
+from fleet.core.apikeys import cache_salt_key
 from fleet.core.config import Serve
 from fleet.core.models import HostState, as_utc
 from fleet.economics import report
 from fleet.engines import registry, vllm
+from fleet.engines.llama_server import CACHE_SALT_HEADER
 from fleet.engines.metrics import requests_in_flight
 from fleet.host.endpoints import publish
 from fleet.localcloud import tinyhf, toolchain
@@ -31,6 +34,7 @@ from tests.test_gateway import free_port
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny-vllm"
+CLINIC = "You are the front desk of a clinic. The patient on this call was born on 14 March 1961. " * 5
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +194,23 @@ async def test_the_gateway_serves_the_vllm_host(fleet, module_dir):
                 assert lines[-1] == "data: [DONE]" and len(lines) > 3
                 served = {h["host"]: h["served"] for h in (await gateway.status(gw))["targets"][0]["hosts"]}
                 assert sum(served.values()) >= 1
+                # the prompt the agent sent is cached under its salt alone (the gateway's header, which
+                # fleet_vllm_salt writes into the body): the agent's salt finds it, any other none of it
+                clinic = {**body, "messages": [{"role": "user", "content": CLINIC}], "max_tokens": 2}
+                assert (await c.post(CHAT, json=clinic)).status_code == 200
+            agents = hmac.new(cache_salt_key(gw.key_secret), b"agent/agent", hashlib.sha256).hexdigest()
+            host = gw.record.hosts(states=(HostState.READY,))[0]
+            async with gw.server(host).client(timeout=120) as direct:
+
+                async def cached(salt: str | None, **extra: object) -> int:
+                    headers = {CACHE_SALT_HEADER: salt} if salt else {}
+                    reply = await direct.post(CHAT, json={**clinic, **extra}, headers=headers)
+                    assert reply.status_code == 200, reply.text
+                    return (reply.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+                assert await cached("someone-else") == 0
+                assert await cached(None, cache_salt=agents) == 0  # a body's salt is dropped: none is the client's
+                assert await cached(agents) > 0
         finally:
             await gateway.stop(gw)
 
@@ -238,3 +259,11 @@ def test_a_vllm_profiles_argv_carries_no_key_and_its_block_size():
     assert argv[argv.index("--max-num-seqs") + 1] == str(profile.slots)
     assert argv[argv.index("--max-model-len") + 1] == str(profile.ctx_per_slot)
     assert "--enable-prompt-tokens-details" in argv and vllm.block_tokens(profile) == 32
+
+
+def test_the_vllm_host_takes_its_cache_salt_from_the_gateways_header():
+    # the image's middleware cannot import fleet: its header's name is written there, and held equal here
+    middleware = (Path(__file__).resolve().parents[1] / "images/vllm/host/fleet_vllm_salt.py").read_text()
+    assert f'HEADER = b"{CACHE_SALT_HEADER}"' in middleware
+    serve = (Path(__file__).resolve().parents[1] / "images/vllm/host/fleet-serve").read_text()
+    assert "--middleware fleet_vllm_salt.CacheSaltFromHeader --middleware fleet_vllm_guard.KeyOnEveryPath" in serve

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.context import Context, tls_dir
-from fleet.core.apikeys import access_log_key
+from fleet.core.apikeys import access_log_key, cache_salt_key
 from fleet.core.config import Settings
 from fleet.core.errors import BadInput
 from fleet.core.files import write_private, write_public
@@ -83,8 +83,10 @@ def peer_certificate(ctx: Context, name: str, out: Path) -> dict[str, str]:
 
 
 async def _start(ctx: Context, files: GatewayFiles, found: list[Target]) -> int:
-    """HAProxy started for these targets, with the access log's key for calls' names derived from fleet's secret."""
-    return await process.start(files, ctx.settings, found, _ca(ctx), access_log_key(ctx.key_secret))
+    """HAProxy started for these targets, with the access log's key for calls' names and the agents' cache salts'
+    key derived from fleet's secret."""
+    secret = ctx.key_secret
+    return await process.start(files, ctx.settings, found, _ca(ctx), access_log_key(secret), cache_salt_key(secret))
 
 
 async def start(ctx: Context) -> dict[str, Any]:

@@ -42,6 +42,12 @@ def access_log_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"fleet gateway access log: call", hashlib.sha256).digest()
 
 
+def cache_salt_key(secret: bytes) -> bytes:
+    """The key the gateway makes each agent's cache salt with (a host reuses a cached prompt only for the same
+    salt): the same on every gateway of the install, and no agent can compute another's."""
+    return hmac.new(secret, b"fleet gateway cache salt", hashlib.sha256).digest()
+
+
 def host_api_key(secret: bytes, host_name: str, nonce: str) -> str:
     """The key llama-server on `host_name` was started with (as long as `token_urlsafe(32)`)."""
     digest = hmac.new(secret, f"fleet host api key\n{host_name}\n{nonce}".encode(), hashlib.sha256).digest()

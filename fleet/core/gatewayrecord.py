@@ -12,11 +12,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
 from fleet.core.errors import BadInput
+from fleet.core.gatewaysettings import AGENT_NAME
 from fleet.core.models import AgentKey, Host, utcnow
 from fleet.core.record import Record, session
 
 AGENT_KEY_PREFIX = "fa-"  # what tells an agent key apart in a leaked file or a log: fleet agent
-AGENT_NAME = r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}"
 
 
 class SlotsFull(BadInput):

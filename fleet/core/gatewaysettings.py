@@ -11,6 +11,8 @@ from pydantic import Field, field_validator, model_validator
 from fleet.core.profiles import Strict
 from fleet.core.tls import FLEET_DOMAIN, fleets_own, peer_tls_name
 
+AGENT_NAME = r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}"  # an agent's name (no '/': the gateway's keys join names with it)
+
 # what an HAProxy peer name and a certificate's DNS name may be: nothing that could end a config line
 PEER_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}"
 DNS_NAME = r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -46,15 +48,14 @@ class Overflow(Strict):
 
 class Acme(Strict):
     """The agents' door's certificate from an ACME CA, for `domain`: one every client already trusts (Let's Encrypt
-    by default), obtained over HTTP-01 (the CA reaches this gateway at `http_port`; HAProxy hands the challenge to
-    certbot), renewed in place 30 days before its end."""
+    by default), obtained over HTTP-01 (the CA reaches this gateway at `http_port`, where HAProxy answers the
+    challenge fleet's issuance put in its memory), renewed in place 30 days before its end."""
 
     domain: str = ""  # empty: no ACME (the team's own certificate, or one fleet's CA signs)
     directory: str = "https://acme-v02.api.letsencrypt.org/directory"
     email: str = ""  # the ACME account's contact (empty: none)
     ca_file: str = ""  # a private ACME server's own CA, to reach it over TLS (a test's Pebble)
     http_port: Annotated[int, Field(ge=1, le=65535)] = 80
-    certbot_port: Annotated[int, Field(ge=1, le=65535)] = 8402  # certbot's own server on loopback, while it asks
 
     @field_validator("domain")
     @classmethod
@@ -111,6 +112,9 @@ class Gateway(Strict):
     peer_key_file: str = ""
     overflow: Overflow = Overflow()
     acme: Acme = Acme()
+    # A host reuses the prompt it cached for one agent only for that agent: the agents a group names share
+    # theirs (one team's agents with one long system prompt). An agent is in one group at most.
+    cache_groups: dict[str, list[str]] = {}
 
     @model_validator(mode="after")
     def _one_certificate(self) -> Gateway:
@@ -122,6 +126,21 @@ class Gateway(Strict):
     @classmethod
     def _listen(cls, v: str) -> str:
         return _address(v)
+
+    @field_validator("cache_groups")
+    @classmethod
+    def _cache_groups(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        seen: dict[str, str] = {}
+        for group, agents in v.items():
+            if not re.fullmatch(AGENT_NAME, group):
+                raise ValueError(f"{group[:80]!r}: a group's name is letters, digits, _ . @ - (at most 64)")
+            for agent in agents:
+                if not re.fullmatch(AGENT_NAME, agent):
+                    raise ValueError(f"{agent[:80]!r} in cache group {group!r}: not an agent's name")
+                if agent in seen:
+                    raise ValueError(f"agent {agent!r} is in cache groups {seen[agent]!r} and {group!r}: one at most")
+                seen[agent] = group
+        return v
 
     @field_validator("names")
     @classmethod

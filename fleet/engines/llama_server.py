@@ -24,6 +24,10 @@ COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
 EXPOSURE = ["--no-slots", "--no-webui", "--metrics"]
 # Every host serves HTTPS alone: a call's transcript crosses the internet (fleet/core/tls.py signs the cert).
 TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
+# A cached prompt is reused only for requests of the same salt, which the gateway sets per agent in this header
+# (patch 0005): no agent learns from a cache hit what another agent's prompt held. fleet's own probes send none.
+CACHE_SALT_HEADER = "x-fleet-cache-salt"
+CACHE_SALT = ["--cache-salt-header", CACHE_SALT_HEADER]
 
 
 # The flags that choose the KV cache's layout, a slot's context in a shared cache, and whether an idle slot's
@@ -114,11 +118,14 @@ def server_argv(profile: Profile, port: int, files: dict[str, str]) -> list[str]
     certificate, port, alias."""
     args = [re.sub(r"\{file\.([a-z0-9_]+)\}", lambda m: files[m.group(1)], a) for a in profile_args(profile)]
     template = ["--chat-template-file", TEMPLATE_FILE] if profile.chat_template else []
-    return ["-m", files["main"], *args, *template, *EXPOSURE, *TLS, "--port", str(port), "-a", profile.name]
+    fleets = [*EXPOSURE, *TLS, *CACHE_SALT, "--port", str(port), "-a", profile.name]
+    return ["-m", files["main"], *args, *template, *fleets]
 
 
 # What fleet sets on every host: a profile that gives one is refused at load
-SET_BY_FLEET = ("--api-key", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template")
+SET_BY_FLEET = (
+    "--api-key", "--cache-salt-header", "--port", "--host", "-m", "--model", "--chat-template-file", "--chat-template"
+)  # fmt: skip
 CACHE_RAM = ("--cache-ram", "-cram")
 
 

@@ -1,16 +1,19 @@
 """The agents' door's certificate from an ACME CA (`[gateway.acme]`): one every client already trusts, so no
 agent is taught fleet's CA. certbot (Debian's) asks for it over HTTP-01: the CA reaches this gateway's
-`acme.http_port`, where HAProxy hands `/.well-known/acme-challenge/` to certbot's own server on loopback, which
-runs only while it asks. HAProxy starts on a provisional certificate fleet's CA signs for the domain; the ACME
-one replaces it in place (HAProxy's admin socket: no restart, no call dropped), and again 30 days before it
-ends."""
+`acme.http_port`, where HAProxy answers `/.well-known/acme-challenge/TOKEN` from a map in its memory that
+certbot's manual hooks (acmehook.py) fill over the admin socket while it asks and empty after: nothing else on
+the machine can answer a challenge. HAProxy starts on a provisional certificate fleet's CA signs for the
+domain; the ACME one replaces it in place (HAProxy's admin socket: no restart, no call dropped), and again 30
+days before it ends."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
 import os
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -18,6 +21,7 @@ from cryptography import x509
 from fleet.core.config import Settings
 from fleet.core.errors import FleetError
 from fleet.core.tls import load_certificate
+from fleet.gateway.acmehook import MAP_ENV, SOCKET_ENV
 from fleet.gateway.files import RENEW_WITHIN, GatewayFiles, write_pem
 
 CERT_NAME = "fleet-gateway"
@@ -94,14 +98,21 @@ async def issue(files: GatewayFiles, settings: Settings) -> None:
     home = folder(files)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     home.chmod(0o700)
+    hook = f"{shlex.quote(sys.executable)} -m fleet.gateway.acmehook"
     argv = [
-        certbot, "certonly", "--non-interactive", "--agree-tos", "--standalone", "--preferred-challenges", "http",
-        "--http-01-address", "127.0.0.1", "--http-01-port", str(acme.certbot_port), "--server", acme.directory,
+        certbot, "certonly", "--non-interactive", "--agree-tos", "--manual", "--preferred-challenges", "http",
+        "--manual-auth-hook", f"{hook} add", "--manual-cleanup-hook", f"{hook} del", "--server", acme.directory,
         "--config-dir", str(home / "config"), "--work-dir", str(home / "work"), "--logs-dir", str(home / "logs"),
         "--cert-name", CERT_NAME, "--key-type", "ecdsa", "--force-renewal", "-d", acme.domain,
         *(["--email", acme.email] if acme.email else ["--register-unsafely-without-email"]),
     ]  # fmt: skip
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        SOCKET_ENV: str(files.socket),  # the hooks' way to the running HAProxy
+        MAP_ENV: str(files.acme_map),
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),  # the hooks import fleet
+    }
     if acme.ca_file:
         env["REQUESTS_CA_BUNDLE"] = os.path.expanduser(acme.ca_file)
     process = await asyncio.create_subprocess_exec(

@@ -31,6 +31,8 @@ NOT_ALLOWED = Refusal(405, "invalid_request_error", "method_not_allowed", "GET /
 NO_LENGTH = Refusal(411, "invalid_request_error", "length_required", "the request needs a Content-Length")
 TOO_LARGE = Refusal(413, "invalid_request_error", "request_too_large", "the request body is too large")
 NOT_CHAT = Refusal(400, "invalid_request_error", "invalid_body", "the body is not a chat request in JSON")
+NOT_OURS = Refusal(400, "invalid_request_error", "invalid_body", "id_slot is not for agents: the gateway places calls")
+ONE_COMPLETION = Refusal(400, "invalid_request_error", "invalid_body", "one completion a request: n must be 1")
 FULL = Refusal(503, "overloaded", "full", "every host of this target is full: retry", retry=True)
 NO_HOST = Refusal(503, "service_unavailable", "no_host", "no host serves this target now: retry", retry=True)
 # what HAProxy itself answers when a host fails under a request (before its first byte), or none is there

@@ -106,6 +106,16 @@ class GatewayFiles:
         return self.directory / "host-names.map"  # a slot's section -> the name its host's certificate holds
 
     @property
+    def acme_map(self) -> Path:
+        # an HTTP-01 challenge's token -> its answer, while fleet's issuance asks: empty on disk, filled and
+        # emptied over the admin socket by certbot's hooks (acmehook.py)
+        return self.directory / "acme-challenges.map"
+
+    @property
+    def cache_groups_map(self) -> Path:
+        return self.directory / "cache-groups.map"  # an agent -> "group/NAME" of the cache group it shares
+
+    @property
     def calls_map(self) -> Path:
         # a backend's door (calls_tN/sS) -> the calls its host holds in conversation: admission.lua loads it from
         # its own folder, so the name is fixed
@@ -175,8 +185,13 @@ def prepare(files: GatewayFiles, settings: Settings, ca: GatewayCa) -> None:
     _check_private(files.doors)
     for lua in (files.lua, files.observe_lua):
         write_public(lua, resources.files("fleet.gateway").joinpath(lua.name).read_bytes())
-    for map_file in (files.agent_map, files.host_map, files.name_map, files.calls_map):
+    for map_file in (files.agent_map, files.host_map, files.name_map, files.calls_map, files.acme_map):
         write_public(map_file, b"")
+    groups = settings.gateway.cache_groups
+    write_public(
+        files.cache_groups_map,
+        "".join(f"{agent} group/{group}\n" for group, agents in groups.items() for agent in agents).encode(),
+    )
     certificates(files, settings, ca)
 
 

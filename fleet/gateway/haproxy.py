@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from fleet.core.config import Settings
 from fleet.core.tls import peer_tls_name
+from fleet.engines.llama_server import CACHE_SALT_HEADER
 from fleet.gateway import answers
 from fleet.gateway.files import GatewayFiles
 from fleet.gateway.targets import Target
@@ -96,7 +97,7 @@ def render(settings: Settings, targets: list[Target], files: GatewayFiles, ca_fi
         "",
     ]
     if g.acme.domain:
-        lines += _acme(settings)
+        lines += _acme(settings, files)
     for target in targets:
         lines += _frontend(settings, target, files)
         lines += _backend(settings, target, files, ca_file)
@@ -139,6 +140,14 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         f" if {{ req.hdr_val(content-length) gt {limit} }} || {{ req.body_size gt {limit} }}",
         f"  http-request return {answers.NOT_CHAT.rule(after)}"
         " unless { req.body,json_query('$.messages[0].role') -m found }",
+        # a call takes no slot of its choosing (another call's) and one completion (one admitted call would
+        # take every slot with n)
+        f"  http-request return {answers.NOT_OURS.rule(after)} if {{ req.body,json_query('$.id_slot') -m found }}",
+        *(
+            f"  http-request return {answers.ONE_COMPLETION.rule(after)}"
+            f" if {{ req.body,json_query('$.{field}') -m found }} !{{ req.body,json_query('$.{field}') -m int 1 }}"
+            for field in ("n", "n_cmpl")
+        ),
         "  http-request set-var(txn.model) req.body,json_query('$.model')",
         f"  http-request return {answers.not_served(target.alias).rule(after)}"
         f" if {{ var(txn.model) -m found }} !{{ var(txn.model) -m str {target.alias} }}",
@@ -167,6 +176,7 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
 
 
 CALL_KEY_ENV = "FLEET_CALL_LOG_KEY"  # HAProxy's environment alone holds the access log's key (base64)
+SALT_KEY_ENV = "FLEET_CACHE_SALT_KEY"  # and the key of the agents' cache salts (base64)
 
 
 def _access_log_format(target: Target, files: GatewayFiles) -> str:
@@ -212,6 +222,13 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         "  option httpchk GET /health",
         "  http-check expect status 200",
         "  http-request del-header authorization",  # the agent's key stays here; a host gets its own
+        # a host reuses what it cached for this agent (or its cache group) alone: no agent learns from a cache
+        # hit, a prompt's timings or its first token's time how much of its guess another agent's prompt held
+        f"  http-request set-var(txn.cache_scope) var(txn.agent),map({files.cache_groups_map})",
+        "  http-request set-var(txn.cache_scope) str(agent/),concat(,txn.agent)"
+        " unless { var(txn.cache_scope) -m found }",
+        f"  http-request set-header {CACHE_SALT_HEADER}"
+        f' "%[var(txn.cache_scope),hmac(sha256,${{{SALT_KEY_ENV}}}),hex,lower]"',  # HAProxy reads $ within quotes
         *(
             f"  server s{slot} unix@{files.door(target.index, slot)} disabled maxconn 1 {check}"
             for slot in range(g.slots)
@@ -235,19 +252,22 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
     return lines
 
 
-def _acme(settings: Settings) -> list[str]:
-    """Where the ACME CA checks that this gateway answers for the domain (HTTP-01): the challenge goes to
-    certbot's own server on loopback while it asks (acme.py); anything else is refused here."""
+def _acme(settings: Settings, files: GatewayFiles) -> list[str]:
+    """Where the ACME CA checks that this gateway answers for the domain (HTTP-01): HAProxy answers a challenge
+    itself, from the map fleet's issuance fills over the admin socket while it asks (acme.py, acmehook.py), so
+    no one else on this machine can answer one (a loopback port handed the challenge to whoever held it, and
+    a local user got a certificate for the domain that way); anything else is refused here."""
     g = settings.gateway
+    not_found = answers.NOT_FOUND.rule(g.retry_after_s)
+    challenge = f"var(txn.acme_token),map({files.acme_map})"
     return [
         "frontend acme_http",
         f"  bind {g.listen}:{g.acme.http_port}",
-        f"  http-request return {answers.NOT_FOUND.rule(g.retry_after_s)}"
-        " unless { path_beg /.well-known/acme-challenge/ }",
-        "  default_backend acme_certbot",
-        "",
-        "backend acme_certbot",
-        f"  server certbot 127.0.0.1:{g.acme.certbot_port}",
+        f"  http-request return {not_found} unless {{ path_reg ^/[.]well-known/acme-challenge/[A-Za-z0-9_-]+$ }}",
+        "  http-request set-var(txn.acme_token) path,field(4,/)",
+        f'  http-request return status 200 content-type text/plain lf-string "%[{challenge}]"'
+        f" if {{ {challenge} -m found }}",
+        f"  http-request return {not_found}",
         "",
     ]
 
@@ -261,6 +281,7 @@ def _overflow(settings: Settings, target: Target) -> list[str]:
     ca = o.ca_file or "@system-ca"
     lines = [
         f"backend overflow_t{target.index}",
+        "  filter lua.fleet_blind",  # the API's cached tokens are not the agent's to read (observe.lua)
         f'  http-request set-header authorization "Bearer ${{{o.key_env}}}"',
         f"  http-request set-header host {host}",
         f"  http-request set-path {url.path}/chat/completions",

@@ -44,6 +44,23 @@ local function hide(name, digits)
   return name .. "0" .. string.rep(" ", #digits - 1)
 end
 
+-- what a host (or the overflow's API) took from its cache is fleet's to read, not the agent's: a cache may hold
+-- another call's prompt, and a count of the tokens that matched it would tell how much of a guessed transcript
+-- is right (fleet's hosts keep each agent's cache apart as well: the gateway salts its requests)
+local CACHE_COUNTS = { "cache_n", "cached_tokens" }
+-- the overflow's cache is not salted: the prompt tokens it processed (the prompt's less the cached) go too
+local OVERFLOW_COUNTS = { "cache_n", "cached_tokens", "prompt_n" }
+
+local function blind(msg, body, names)
+  local hidden = body
+  for _, name in ipairs(names) do
+    hidden = hidden:gsub('("' .. name .. '"%s*:%s*)(%d+)', hide)
+  end
+  if hidden ~= body then
+    msg:set(hidden)
+  end
+end
+
 local function count_of(text, name)
   local digits = text:match('"' .. name .. '":(%d+)')
   if digits == nil or #digits > 9 then
@@ -102,13 +119,8 @@ function Observe:http_payload(txn, msg)
   -- the last two pieces, kept as they came (a stream's timings ride its last event, before [DONE]): joined
   -- once at the end, never per piece, which would cost every token a copy
   self.before, self.last = self.last, body
-  -- what the host took from its cache is fleet's to read, not the agent's: a slot may hold another call's
-  -- prompt, and a count of the tokens that matched it would tell how much of a guessed transcript is right
   if body:find("cache", 1, true) then
-    local blind = body:gsub('("cache_n":)(%d+)', hide):gsub('("cached_tokens":)(%d+)', hide)
-    if blind ~= body then
-      msg:set(blind)
-    end
+    blind(msg, body, CACHE_COUNTS)
   end
 end
 
@@ -149,6 +161,33 @@ function Observe:http_end(txn, msg)
 end
 
 core.register_filter("fleet_observe", Observe, function(f)
+  return f
+end)
+
+-- the overflow's answers, blinded alike (a hosted API's cache serves every agent of this fleet's account)
+local Blind = {}
+Blind.id = "fleet blind"
+Blind.flags = filter.FLT_CFG_FL_HTX
+Blind.__index = Blind
+
+function Blind:new()
+  return setmetatable({}, Blind)
+end
+
+function Blind:http_headers(txn, msg)
+  if msg.channel:is_resp() then
+    filter.register_data_filter(self, msg.channel)
+  end
+end
+
+function Blind:http_payload(txn, msg)
+  local body = msg:body()
+  if body ~= nil and #body > 0 then
+    blind(msg, body, OVERFLOW_COUNTS)
+  end
+end
+
+core.register_filter("fleet_blind", Blind, function(f)
   return f
 end)
 

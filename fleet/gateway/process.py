@@ -20,7 +20,7 @@ from fleet.core.errors import BadInput, FleetError
 from fleet.core.files import write_public
 from fleet.gateway import answers
 from fleet.gateway.files import GatewayCa, GatewayFiles, prepare
-from fleet.gateway.haproxy import CALL_KEY_ENV, render
+from fleet.gateway.haproxy import CALL_KEY_ENV, SALT_KEY_ENV, render
 from fleet.gateway.targets import Target
 
 START_TIMEOUT_S = 10.0
@@ -64,7 +64,12 @@ def write_configuration(files: GatewayFiles, settings: Settings, targets: list[T
 
 
 async def start(
-    files: GatewayFiles, settings: Settings, targets: list[Target], ca: GatewayCa, call_key: bytes | None = None
+    files: GatewayFiles,
+    settings: Settings,
+    targets: list[Target],
+    ca: GatewayCa,
+    call_key: bytes | None = None,
+    salt_key: bytes | None = None,
 ) -> int:
     """Start HAProxy for these targets (nothing when it runs already); its PID once its admin socket answers.
 
@@ -75,11 +80,12 @@ async def start(
     if pid is not None:
         return pid
     binary = haproxy_binary()
-    # the access log's key for calls' names (fleet's own, derived: the same on every gateway of the install);
-    # none given, one of this run's alone
+    # the access log's key for calls' names and the agents' cache salts' (fleet's own, derived: the same on
+    # every gateway of the install); none given, one of this run's alone
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         CALL_KEY_ENV: base64.b64encode(call_key or secrets.token_bytes(32)).decode(),
+        SALT_KEY_ENV: base64.b64encode(salt_key or secrets.token_bytes(32)).decode(),
     }
     overflow = settings.gateway.overflow
     if overflow.url:

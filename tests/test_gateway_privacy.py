@@ -1,0 +1,128 @@
+"""What one agent can learn of another's calls through the gateway: nothing, not even how much of a prompt a
+host had cached. The round-four review read another agent's date of birth a guess at a time from what the
+host's cache took of its guesses (`usage.prompt_tokens - timings.prompt_n`); the gateway now salts each
+agent's requests (its cache group's, where the operator shares one), and a host reuses a cached prompt for
+the same salt alone (llama-server patch 0005). Real hosts of the local cloud, real HAProxy, TLS at both ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.app import Fleet
+from fleet.control import gateway
+from fleet.control.up import UpRequest
+from fleet.gateway import process
+from fleet.gateway.files import files_for
+from fleet.gateway.runtime import Runtime
+from tests.fleetkit import fleet_for, settings_for
+from tests.test_gateway import CHAT, client, gateway_settings, served_by_host, turn, wait_hosts_up
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway-privacy")
+
+
+@pytest.fixture(scope="module")
+def _cloud_env(cloud) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+        cloud.set_faults({})
+        yield
+
+
+@pytest.fixture(scope="module")
+async def one_host(_cloud_env, module_dir: Path) -> AsyncIterator[str]:
+    """One READY tiny host of one slot: every call, the victim's and the guesser's, is its."""
+    async with fleet_for(settings_for(module_dir)) as fleet:
+        try:
+            [host] = (await fleet.up(UpRequest(model="tiny", region="eu", count=1))).ready
+            yield host.name
+        finally:
+            await fleet.destroy(None)
+
+
+@pytest.fixture
+async def gw(one_host, module_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    settings = gateway_settings(module_dir, request.node.name[:40], **getattr(request, "param", {}))
+    async with fleet_for(settings) as fleet:
+        try:
+            await gateway.start(fleet)
+            yield fleet
+        finally:
+            await gateway.stop(fleet)
+    assert process.running_pid(files_for(settings)) is None
+
+
+# the victim's prompt; the attacker's guesses are the same text, word for word: the strongest guess there is
+CLINIC = "You are the front desk of a clinic. The patient on this call was born on 14 March 1961. " * 5
+
+
+async def host_of(fleet, agent: str, call: str) -> str:
+    """The host (its slot's server) a call is pinned to: the gateway's stick table."""
+    table = await Runtime(files_for(fleet.settings).socket).table("calls_t0")
+    return table[f"{agent}/{call}"]["server_id"]
+
+
+async def guesses_on_the_victims_host(fleet, victim: tuple[str, str], guessers: list[tuple[str, str]]) -> list[dict]:
+    """The victim speaks on its call, then a guesser sends the victim's prompt word for word as a new call, a
+    round for each guesser: each guess reaches the host's one slot while it holds the victim's prompt (a
+    guesser of its own each round: a second guess would find the first, its own, in the host's prompt cache).
+    The replies to the guesses."""
+    victim_name, victim_key = victim
+    guesses: list[dict[str, Any]] = []
+    async with client(fleet, victim_key) as v:
+        for i, (guesser_name, guesser_key) in enumerate(guessers):
+            spoke = await v.post(CHAT, json=turn(CLINIC, 2), headers={"X-Session-Id": "patient"})
+            assert spoke.status_code == 200, spoke.text
+            async with client(fleet, guesser_key) as g:
+                guess = await g.post(CHAT, json=turn(CLINIC, 2), headers={"X-Session-Id": f"guess-{i}"})
+            assert guess.status_code == 200, guess.text
+            assert await host_of(fleet, guesser_name, f"guess-{i}") == await host_of(fleet, victim_name, "patient")
+            guesses.append(guess.json())
+    return guesses
+
+
+def cached(reply: dict[str, Any]) -> int:
+    """The prompt tokens a reply says its host took from a cache, as the reviewer read them."""
+    return reply["usage"]["prompt_tokens"] - reply["timings"]["prompt_n"]
+
+
+async def test_an_agent_learns_nothing_of_another_agents_prompt_from_the_hosts_cache(gw):
+    alice = await gateway.add_key(gw, "alice")
+    guessers = [(name, await gateway.add_key(gw, name)) for name in ("mallory", "trudy", "eve")]
+    await wait_hosts_up(gw, 1)
+    async with client(gw, alice) as c:
+        await c.post(CHAT, json=turn(CLINIC, 2), headers={"X-Session-Id": "patient"})
+        own = (await c.post(CHAT, json=turn(CLINIC, 2), headers={"X-Session-Id": "patient"})).json()
+    assert cached(own) > 100  # the agent's own call stays warm: the cache works for it
+    for guess in await guesses_on_the_victims_host(gw, ("alice", alice), guessers):
+        assert cached(guess) == 0, guess["timings"]  # every token of the guess processed: no hit to read
+        assert guess["timings"]["cache_n"] == 0
+
+
+@pytest.mark.parametrize("gw", [{"cache_groups": {"clinic": ["ada", "carol"]}}], indirect=True)
+async def test_agents_of_one_cache_group_share_what_their_hosts_cached(gw):
+    # the operator's choice: one team's agents share a long system prompt's cache (and so may read each other's)
+    ada, carol = await gateway.add_key(gw, "ada"), await gateway.add_key(gw, "carol")
+    await wait_hosts_up(gw, 1)
+    for guess in await guesses_on_the_victims_host(gw, ("ada", ada), [("carol", carol)]):
+        assert cached(guess) > 100, guess["timings"]
+
+
+async def test_no_agent_chooses_a_slot_or_takes_several_completions(gw):
+    key = await gateway.add_key(gw, "oscar")
+    await wait_hosts_up(gw, 1)
+    before = await served_by_host(gw)
+    async with client(gw, key) as c:
+        for extra in ({"id_slot": 0}, {"n": 4}, {"n_cmpl": 2}, {"n": "4"}):
+            refused = await c.post(CHAT, json=turn("hello", 2, **extra))
+            assert refused.status_code == 400, (extra, refused.text)
+            assert refused.json()["error"]["code"] == "invalid_body"
+        assert (await c.post(CHAT, json=turn("hello", 2, n=1))).status_code == 200
+    after = await served_by_host(gw)
+    assert sum(after.values()) - sum(before.values()) == 1  # the refused never reached a host
