@@ -273,15 +273,25 @@ async def test_bad_requests_are_refused_without_touching_a_host(gw):
             "other path": (await c.get("/slots")).status_code,
             "props": (await c.get("/props")).status_code,
             "models by POST": (await c.post("/v1/models", json={})).status_code,
+            # a call id past what the stick table keys (a 9,000-byte one reached the host, which said 400 with no
+            # body), and headers past 16 KB: refused here, in OpenAI's shape
+            "long call id": (await c.post(CHAT, json=turn("hi"), headers={"X-Session-Id": "c" * 9000})).status_code,
+            "long user": (await c.post(CHAT, json=turn("hi", user="u" * 64))).status_code,
+            "huge headers": (await c.post(CHAT, json=turn("hi"), headers={"X-Pad": "p" * 20_000})).status_code,
         }
+        said = (await c.post(CHAT, json=turn("hi", pad="x" * limit))).json()["error"]
+        assert f"over {gw.settings.gateway.max_body_kb} KB" in said["message"]  # a 413 says the limit
+        long_id = (await c.post(CHAT, json=turn("hi"), headers={"X-Session-Id": "c" * 9000})).json()["error"]
+        assert long_id["code"] == "invalid_call_id" and "63 bytes" in long_id["message"]
     assert cases == {
         "no key": 401, "wrong key": 401, "not json": 400, "no messages": 400, "huge": 413, "chunked": 411,
-        "huge, chunked": 411, "other path": 404, "props": 404, "models by POST": 405,
+        "huge, chunked": 411, "other path": 404, "props": 404, "models by POST": 405, "long call id": 400,
+        "long user": 400, "huge headers": 431,
     }  # fmt: skip
     # A chunked body behind 80 KB of headers, sent as a client streams it: HAProxy judged such a body by the part
     # its buffer held, which the headers kept under the limit, and 1 MiB went on to a host.
     said = await asyncio.to_thread(padded_chunked_upload, gw, key, 1 << 20)
-    assert said in ("411", "closed"), said
+    assert said in ("411", "431", "closed"), said
     assert await served_by_host(gw) == before
 
 
@@ -371,6 +381,68 @@ async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_wit
     text = log.read_text()
     assert "date of birth" not in text and "call-log-1" not in text and key not in text and unkeyed not in text
     assert log.stat().st_mode & 0o777 == 0o600
+
+
+async def logged_lines(log: Path, count: int) -> list[str]:
+    """The access log's lines once it holds `count` (HAProxy writes a request's line once its answer has gone)."""
+    for _ in range(200):
+        lines = log.read_bytes().decode(errors="replace").splitlines()
+        if len(lines) >= count:
+            return lines
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the access log holds {len(lines)} lines, not {count}: {lines}")
+
+
+async def test_the_access_log_appends_across_restarts_and_survives_a_copytruncate_rotation(gw):
+    """Round two of the clients' review: HAProxy's descriptor lost O_APPEND, so a restart wrote from offset 0
+    over the old lines and a copytruncate rotation left the file full of NULs."""
+    key = await gateway.add_key(gw, "logrotate")
+    await wait_hosts_up(gw)
+    log = files_for(gw.settings).access_log
+
+    async def one_turn(call: str) -> None:
+        async with client(gw, key) as c:
+            assert (await c.post(CHAT, json=turn("hi"), headers={"X-Session-Id": call})).status_code == 200
+
+    await one_turn("before-restart")
+    first = await logged_lines(log, 1)
+    await gateway.stop(gw)
+    await gateway.start(gw)
+    await wait_hosts_up(gw)
+    await one_turn("after-restart")
+    lines = await logged_lines(log, len(first) + 1)
+    assert lines[: len(first)] == first  # the lines before the restart are still there, in order
+    # logrotate's copytruncate: the file is copied away and cut to nothing while HAProxy holds it open
+    rotated = log.with_name("access.log.1")
+    rotated.write_bytes(log.read_bytes())
+    with log.open("r+b") as f:
+        f.truncate(0)
+    await one_turn("after-rotation")
+    after = await logged_lines(log, 1)
+    assert b"\0" not in log.read_bytes() and len(after) == 1 and "agent=logrotate" in after[0]
+    # a kept connection's second request: its `at` is when the first ended, `idle_ms` how long it then waited
+    async with client(gw, key) as c:
+        for _ in range(2):
+            assert (await c.post(CHAT, json=turn("hi"), headers={"X-Session-Id": "kept"})).status_code == 200
+            await asyncio.sleep(0.5)
+    kept = [dict(f.split("=", 1) for f in line.split()) for line in (await logged_lines(log, 3))[1:]]
+    assert float(kept[1]["at"]) >= float(kept[0]["at"]) and int(kept[1]["idle_ms"]) >= 500 > int(kept[0]["idle_ms"])
+
+
+async def test_the_status_prints_a_trust_check_that_passes_with_its_ca_and_names_the_error_without(gw, tmp_path):
+    """pipecat says only "Connection error." when TLS fails: `fleet gateway status` prints the command that
+    shows whether a client trusts the gateway, and why not."""
+    shown = await gateway.status(gw)
+    assert shown["signed_by"] == "fleet" and shown["ca_file"].endswith("ca.pem")
+    check = shown["tls_check"]
+    trusted = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=60)
+    assert (trusted.returncode, trusted.stdout.strip()) == (0, "ok"), trusted.stderr
+    other = tls.ensure_ca(tmp_path / "other", "another CA")
+    untrusted = subprocess.run(
+        ["bash", "-c", check.replace(shown["ca_file"], str(other.certificate_path))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert untrusted.returncode != 0 and "certificate verify failed" in untrusted.stderr
 
 
 async def test_the_endpoints_file_holds_no_host_key_while_the_gateway_serves_and_is_written_through_no_link(gw):

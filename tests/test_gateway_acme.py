@@ -172,6 +172,10 @@ async def test_the_gateway_gets_its_domains_certificate_by_acme_and_agents_need_
             ):
                 fleet.tls.wrap_socket(tcp, server_hostname=DOMAIN).close()
             assert await gateway.renew(fleet) == []  # a fresh certificate: nothing to renew
+            # what fleet tells a user: the URL by the domain the certificate names, and no CA file to hand out
+            shown = await gateway.status(fleet)
+            assert shown["targets"][0]["base_url"] == f"https://{DOMAIN}:{port}/v1"
+            assert (shown["signed_by"], shown["ca_file"]) == ("acme", None)
             # the issuance is over: the challenge it answered is answered no more
             async with httpx.AsyncClient(timeout=10) as plain:
                 answered = await plain.get(f"http://127.0.0.1:{pebble.http_port}/.well-known/acme-challenge/x")
@@ -205,6 +209,9 @@ async def test_only_fleets_issuance_answers_an_acme_challenge(pebble, tmp_path):
                 url = f"http://127.0.0.1:{pebble.http_port}/.well-known/acme-challenge"
                 async with httpx.AsyncClient(timeout=10) as plain:
                     assert (await plain.get(f"{url}/someone-elses-token")).status_code == 404
+                    # an agent that found this port is told where agents go, not that /v1/models is served here
+                    lost = await plain.get(f"http://127.0.0.1:{pebble.http_port}/v1/models")
+                    assert lost.status_code == 404 and "ACME CA alone" in lost.json()["error"]["message"]
                     # what certbot's hook puts there (fleet's user alone reaches the socket) is what is answered
                     env = {"CERTBOT_TOKEN": "tok_EN-1", "CERTBOT_VALIDATION": "tok_EN-1.thumb", "FLEET_ACME_MAP":
                            str(files.acme_map), "FLEET_ACME_SOCKET": str(files.socket)}  # fmt: skip

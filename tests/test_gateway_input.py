@@ -269,3 +269,34 @@ async def test_a_gateway_folder_another_user_made_is_refused_and_nothing_starts(
     assert "\n" not in str(refused.value)
     assert list(taken.iterdir()) == [] and process.running_pid(files) is None
     assert taken.stat().st_uid == 65534 and taken.stat().st_mode & 0o777 == 0o755  # untouched
+
+
+@pytest.mark.parametrize(
+    ("gateway", "host", "signed_by"),
+    [
+        ({}, "localhost", "fleet"),
+        ({"listen": "0.0.0.0"}, "localhost", "fleet"),
+        ({"listen": "10.0.0.5"}, "10.0.0.5", "fleet"),
+        ({"listen": "0.0.0.0", "names": ["voice.example.com", "10.0.0.5"]}, "voice.example.com", "fleet"),
+        ({"names": ["fd00::5"]}, "[fd00::5]", "fleet"),
+        ({"acme": {"domain": "voice.example.com"}, "names": ["other.example.com"]}, "voice.example.com", "acme"),
+        ({"certificate_file": "/x.pem", "key_file": "/x.key", "names": ["gw.example.com"]}, "gw.example.com", "own"),
+    ],
+)
+def test_the_gateways_url_names_what_its_certificate_holds_and_who_signs_it(tmp_path, gateway, host, signed_by):
+    """Round two of the clients' review: with [gateway.acme], status printed https://localhost:PORT and fleet's
+    CA file, which the ACME certificate neither names nor comes from."""
+    from fleet.control.gateway import door_host, signer
+
+    settings = registry.load(gateway_config(tmp_path, gateway=gateway))
+    assert (door_host(settings), signer(settings)) == (host, signed_by)
+
+
+def test_every_refusal_goes_into_haproxys_configuration_as_is():
+    from fleet.gateway import answers
+
+    refusals = [v for v in vars(answers).values() if isinstance(v, answers.Refusal)]
+    refusals += [answers.too_large(192), answers.not_served("tiny")]
+    assert len(refusals) > 10
+    for refusal in refusals:
+        assert "'" not in refusal.message and "\\" not in refusal.message and '"' not in refusal.message, refusal

@@ -125,7 +125,12 @@ def key_revoke_cmd(
 
 def _show(status: dict[str, Any]) -> None:
     state = f"running (HAProxy pid {status['pid']})" if status["running"] else "not running"
-    render.line(f"gateway: {state}; {len(status['agents'])} agent key(s); verify with {status['ca_file']}")
+    trust = {
+        "acme": "an ACME CA's certificate: agents verify it with their system's trust store",
+        "own": "your certificate: agents verify it with your CA",
+    }.get(status["signed_by"], f"verify with {status['ca_file']}")
+    render.line(f"gateway: {state}; {len(status['agents'])} agent key(s); {trust}")
+    render.line(f"  check a client's trust: {status['tls_check']}")
     for t in status["targets"]:
         calls = ", ".join(f"{k} {v}" for k, v in sorted(t["calls"].items())) or "none yet"
         render.line(f"  {t['model']} in {t['region']}: {t['base_url']}  (model {t['alias']!r}; requests: {calls})")

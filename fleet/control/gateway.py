@@ -213,15 +213,52 @@ async def status(ctx: Context) -> dict[str, Any]:
     of new calls, turns and refusals (or overflows), and the agents' keys."""
     files = _files(ctx)
     pid = process.running_pid(files)
+    ca_file = str(tls_dir(ctx.settings) / "ca.pem") if signer(ctx.settings) == "fleet" else None
     return {
         "running": pid is not None,
         "pid": pid,
         "wanted": _wanted(files),
         "directory": str(files.directory),
-        "ca_file": str(tls_dir(ctx.settings) / "ca.pem"),  # read, never made here: status starts nothing
+        # who signs the agents' door, and the CA file an agent verifies it with (None: its own trust store, or
+        # the team's CA): read, never made here, status starts nothing
+        "signed_by": signer(ctx.settings),
+        "ca_file": ca_file,
+        "tls_check": tls_check(ctx.settings, ca_file),
         "agents": [k.name for k in agent_keys(ctx.record)],
         "targets": await targets_now(ctx.settings),
     }
+
+
+def signer(settings: Settings) -> str:
+    """Who signs the agents' door's certificate: "acme" (a CA every client trusts), "own" (the team's
+    certificate_file) or "fleet" (fleet's CA, whose file an agent is given)."""
+    g = settings.gateway
+    return "acme" if g.acme.domain else "own" if g.certificate_file else "fleet"
+
+
+def door_host(settings: Settings) -> str:
+    """The name agents reach the gateway by, which its certificate holds: the ACME domain; else the first of
+    `gateway.names`; else `localhost` for a loopback or every-interface listen, the listen address otherwise."""
+    g = settings.gateway
+    if g.acme.domain:
+        return g.acme.domain
+    if g.names:
+        return f"[{g.names[0]}]" if ":" in g.names[0] else g.names[0]
+    if g.listen in ("127.0.0.1", "0.0.0.0", "::", "::1"):
+        return "localhost"
+    return f"[{g.listen}]" if ":" in g.listen else g.listen
+
+
+def tls_check(settings: Settings, ca_file: str | None) -> str:
+    """A command a user runs to see whether a client trusts the gateway's first door as an agent must (`ok`, or
+    the verification error): what pipecat's "Connection error." hides."""
+    host = door_host(settings).strip("[]")
+    port = settings.serve[0].port or settings.gateway.port if settings.serve else settings.gateway.port
+    trust = f"cafile={ca_file!r}" if ca_file else ""
+    return (
+        f'python3 -c "import ssl,socket; c=ssl.create_default_context({trust}); '
+        f"c.wrap_socket(socket.create_connection(({host!r},{port})),server_hostname={host!r}).close(); print('ok')\""
+    )
 
 
 async def targets_now(settings: Settings) -> list[dict[str, Any]]:
@@ -237,8 +274,7 @@ async def targets_now(settings: Settings) -> list[dict[str, Any]]:
         rows = await runtime.stats()
         names = await runtime.map_entries(files.name_map)
         seen = {(o.backend, o.slot): o for o in await runtime.observed()}
-    listen = settings.gateway.listen
-    host = "localhost" if listen in ("127.0.0.1", "0.0.0.0", "::") else listen
+    host = door_host(settings)
     out = []
     for target in targets(settings):
         entry: dict[str, Any] = {

@@ -29,7 +29,19 @@ NOT_FOUND = Refusal(404, "invalid_request_error", "not_found", "only /v1/chat/co
 BAD_KEY = Refusal(401, "invalid_request_error", "invalid_api_key", "no valid agent key")
 NOT_ALLOWED = Refusal(405, "invalid_request_error", "method_not_allowed", "GET /v1/models, POST /v1/chat/completions")
 NO_LENGTH = Refusal(411, "invalid_request_error", "length_required", "the request needs a Content-Length")
-TOO_LARGE = Refusal(413, "invalid_request_error", "request_too_large", "the request body is too large")
+NOT_AGENTS = Refusal(
+    404, "invalid_request_error", "not_found", "this port answers the ACME CA alone: agents use the gateway https URL"
+)
+HEADERS_TOO_LARGE = Refusal(431, "invalid_request_error", "headers_too_large", "the request headers are over 16 KB")
+CALL_ID_TOO_LONG = Refusal(
+    400, "invalid_request_error", "invalid_call_id", "a call id (X-Session-Id, user, prompt_cache_key) over 63 bytes"
+)
+
+
+def too_large(limit_kb: int) -> Refusal:
+    return Refusal(413, "invalid_request_error", "request_too_large", f"the request body is over {limit_kb} KB")
+
+
 NOT_CHAT = Refusal(400, "invalid_request_error", "invalid_body", "the body is not a chat request in JSON")
 NOT_OURS = Refusal(400, "invalid_request_error", "invalid_body", "id_slot is not for agents: the gateway places calls")
 ONE_COMPLETION = Refusal(400, "invalid_request_error", "invalid_body", "one completion a request: n must be 1")

@@ -32,6 +32,9 @@ from fleet.gateway.targets import Target
 REVOKED = "revoked_keys"  # observe.lua reads this table by its name
 BUFFER_BYTES = 262_144  # a request body is read whole before a host is chosen: the largest one allowed fits
 STICK_ENTRIES = 200_000
+STICK_KEY_BYTES = 128
+CALL_ID_BYTES = STICK_KEY_BYTES - 64 - 1  # an agent's name is at most 64 bytes (AGENT_NAME), then '/'
+HEADERS_BYTES = 16_384  # an agent's request headers, all of them
 # the intermediate profile of Mozilla's server-side TLS guidelines, less the DHE suites (no DH parameters here)
 TLS12_CIPHERS = ":".join(
     f"ECDHE-{kind}-{cipher}"
@@ -127,6 +130,7 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         # a key revoked on any gateway (its peers carry the revocation at once) is refused before the next sync
         f"  http-request return {answers.BAD_KEY.rule(after)}"
         f" if !{{ var(txn.agent) -m found }} || {{ var(txn.agent_key),table_gpc0({REVOKED}) gt 0 }}",
+        f"  http-request return {answers.HEADERS_TOO_LARGE.rule(after)} if {{ req.hdrs,length gt {HEADERS_BYTES} }}",
         f"  http-request return status 200 content-type application/json file {files.models(target.index)}"
         " if { path /v1/models } METH_GET",
         f"  http-request return status 200 content-type application/json file {files.model(target.index)}"
@@ -136,7 +140,7 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         # a body must say its length: a chunked one is judged by the part the buffer holds, which large headers
         # keep under the limit while the rest streams on to the host (1 MiB passed behind 80 KB of headers)
         f"  http-request return {answers.NO_LENGTH.rule(after)} unless {{ req.hdr_cnt(content-length) eq 1 }}",
-        f"  http-request return {answers.TOO_LARGE.rule(after)}"
+        f"  http-request return {answers.too_large(g.max_body_kb).rule(after)}"
         f" if {{ req.hdr_val(content-length) gt {limit} }} || {{ req.body_size gt {limit} }}",
         f"  http-request return {answers.NOT_CHAT.rule(after)}"
         " unless { req.body,json_query('$.messages[0].role') -m found }",
@@ -154,6 +158,10 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         "  http-request set-var(txn.call) req.hdr(x-session-id) if { req.hdr(x-session-id) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.user') if !{ var(txn.call) -m found }",
         "  http-request set-var(txn.call) req.body,json_query('$.prompt_cache_key') if !{ var(txn.call) -m found }",
+        # a call id fits the stick table's key beside its agent's name (64 bytes, '/'): a longer one, cut there,
+        # would make one call of two
+        f"  http-request return {answers.CALL_ID_TOO_LONG.rule(after)}"
+        f" if {{ var(txn.call),length gt {CALL_ID_BYTES} }}",
         # a call is its agent's: another agent naming the same id makes a call of its own (an agent's name
         # holds no '/', so the key is read one way)
         "  http-request set-var(txn.call) var(txn.agent),concat(/,txn.call) if { var(txn.call) -m found }",
@@ -183,7 +191,8 @@ def _access_log_format(target: Target, files: GatewayFiles) -> str:
     """A line a request, never its content: when, which agent, which call (its key hashed), admitted how, the
     host that served it (as its certificate names it), the status, the times and the bytes sent back."""
     fields = {
-        "at": "%Ts.%ms",
+        "at": "%Ts.%ms",  # the connection's arrival, or its previous request's end: this one came idle_ms later
+        "idle_ms": "%Ti",
         "target": target.alias,
         "client": "%ci",
         "agent": "%[var(txn.agent)]",
@@ -212,8 +221,8 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         f"backend {target.backend}",
         "  balance leastconn",
         "  filter lua.fleet_observe",  # first content and warm turns' cache hits, per host (observe.lua)
-        f"  stick-table type string len 128 size {STICK_ENTRIES} expire 1h{' peers fleet' if g.peers else ''}"
-        f" store http_req_rate({g.call_idle_s}s)",
+        f"  stick-table type string len {STICK_KEY_BYTES} size {STICK_ENTRIES} expire 1h"
+        f"{' peers fleet' if g.peers else ''} store http_req_rate({g.call_idle_s}s)",
         "  stick on var(txn.call)",
         "  http-request track-sc0 var(txn.call)",  # each call's recent turns: a draining host waits for them
         "  option redispatch 1",
@@ -258,7 +267,7 @@ def _acme(settings: Settings, files: GatewayFiles) -> list[str]:
     no one else on this machine can answer one (a loopback port handed the challenge to whoever held it, and
     a local user got a certificate for the domain that way); anything else is refused here."""
     g = settings.gateway
-    not_found = answers.NOT_FOUND.rule(g.retry_after_s)
+    not_found = answers.NOT_AGENTS.rule(g.retry_after_s)
     challenge = f"var(txn.acme_token),map({files.acme_map})"
     return [
         "frontend acme_http",

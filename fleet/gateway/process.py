@@ -43,6 +43,7 @@ def haproxy_binary() -> str:
 def running_pid(files: GatewayFiles) -> int | None:
     """The PID of this instance's HAProxy, if it runs: the pid file's, and only while that process's
     command line names this instance's configuration (a PID is reused once its process is gone)."""
+    _writers[:] = [w for w in _writers if w.poll() is None]
     try:
         pid = int(files.pidfile.read_text().split()[0])
         child = _children.get(pid)
@@ -95,17 +96,19 @@ async def start(
         env[overflow.key_env] = key  # HAProxy's environment alone holds it: not its config file, not its argv
     write_configuration(files, settings, targets, ca)
     files.socket.unlink(missing_ok=True)
-    log = _append_private(files.access_log)
+    writer = _log_writer(files)
     errors = _append_private(files.errors, truncate=True)
     try:
         process = subprocess.Popen(
             [binary, "-db", "-f", str(files.config)],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=errors, start_new_session=True,
+            env=env, stdin=subprocess.DEVNULL, stdout=writer.stdin, stderr=errors, start_new_session=True,
         )  # fmt: skip
     finally:
-        os.close(log)
+        assert writer.stdin is not None
+        writer.stdin.close()  # HAProxy holds the pipe's one writing end: the writer ends when HAProxy does
         os.close(errors)
     _children[process.pid] = process  # reaped when it ends, so that its PID never reads as a live HAProxy
+    _writers.append(writer)
     write_public(files.pidfile, f"{process.pid}\n".encode())
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -126,6 +129,21 @@ async def start(
 
 
 _children: dict[int, subprocess.Popen] = {}
+_writers: list[subprocess.Popen] = []  # the access logs' writers, reaped once their HAProxy has ended
+
+
+def _log_writer(files: GatewayFiles) -> subprocess.Popen:
+    """What HAProxy's standard output (the access log) goes through: a pipe to `cat`, whose descriptor appends.
+    HAProxy's own descriptor loses O_APPEND (it sets O_NONBLOCK with F_SETFL alone), so each restart wrote from
+    offset 0 over the lines before, and a copytruncate rotation left the file full of NULs."""
+    log = _append_private(files.access_log)
+    try:
+        return subprocess.Popen(
+            [shutil.which("cat") or "/bin/cat"],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(log)
 
 
 def _append_private(path: Path, truncate: bool = False) -> int:
