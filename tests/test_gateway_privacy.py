@@ -6,6 +6,11 @@ the same salt alone (llama-server patch 0005). Real hosts of the local cloud, re
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import ssl
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +18,10 @@ from typing import Any
 import pytest
 
 from fleet.app import Fleet
+from fleet.context import tls_dir
 from fleet.control import gateway
 from fleet.control.up import UpRequest
+from fleet.core import tls
 from fleet.gateway import process
 from fleet.gateway.files import files_for
 from fleet.gateway.runtime import Runtime
@@ -126,3 +133,68 @@ async def test_no_agent_chooses_a_slot_or_takes_several_completions(gw):
         assert (await c.post(CHAT, json=turn("hello", 2, n=1))).status_code == 200
     after = await served_by_host(gw)
     assert sum(after.values()) - sum(before.values()) == 1  # the refused never reached a host
+
+
+@contextlib.contextmanager
+def echo_api(certificate: bytes, key: bytes, folder: Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
+    """An HTTPS server standing for a hosted API the gateway overflows to (not one of fleet's parts): it answers
+    a chat completion and keeps the headers each request brought. (port, the headers seen); stopped after."""
+    (folder / "api.pem").write_bytes(certificate + key)
+    seen: list[dict[str, str]] = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            seen.append({k.lower(): v for k, v in self.headers.items()})
+            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "hi"}}], "usage": {}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "api.pem")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_host_or_the_overflow_is_sent_only_the_headers_it_needs(tmp_path, monkeypatch, _cloud_env):
+    """Round two of the clients' review: the gateway passed every header of an agent's request to the rented
+    host (cookies, user agent, its call id). A target with no host overflows here, to an API that shows what
+    it got: the request's framing and type, fleet's own key for the provider, and nothing of the agent's."""
+    settings = gateway_settings(tmp_path, "gw")
+    ca = tls.ensure_ca(tls_dir(settings), "fleet CA")  # the CA the gateway checks the overflow with
+    key_pem, cert_pem = tls.sign_server(ca, ["localhost"], 1)
+    with echo_api(cert_pem, key_pem, tmp_path) as (port, seen):
+        monkeypatch.setenv("FLEET_TEST_OVERFLOW_KEY", "provider-key")
+        overflow = settings.gateway.overflow.model_copy(
+            update={"url": f"https://localhost:{port}/v1", "key_env": "FLEET_TEST_OVERFLOW_KEY"}
+            | {"ca_file": str(ca.certificate_path)}
+        )
+        settings = settings.model_copy(update={"gateway": settings.gateway.model_copy(update={"overflow": overflow})})
+        async with fleet_for(settings) as fleet:
+            try:
+                await gateway.start(fleet)
+                key = await gateway.add_key(fleet, "nosy")
+                agent_headers = {"X-Session-Id": "call-7", "Cookie": "session=secret", "User-Agent": "agent/1.0",
+                                 "X-Customer": "acme-clinic"}  # fmt: skip
+                async with client(fleet, key) as c:
+                    reply = await c.post(CHAT, json=turn("hi"), headers=agent_headers)
+                assert reply.status_code == 200, reply.text
+            finally:
+                await gateway.stop(fleet)
+    [got] = seen
+    assert got["authorization"] == "Bearer provider-key" and got["content-type"] == "application/json"
+    assert not {"x-session-id", "cookie", "user-agent", "x-customer", "x-fleet-cache-salt"} & set(got), got
+    assert set(got) <= {"authorization", "content-type", "content-length", "accept", "host"}, got

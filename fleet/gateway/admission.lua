@@ -37,6 +37,22 @@ local function pinned(be)
   return counts
 end
 
+-- the headers a host (or the overflow) is sent of an agent's request: its framing and its body's type. An
+-- agent's cookies, user agent, call id and own headers stay here: the host learns nothing of it but its prompt
+-- (fleet's own headers, the host's key and the cache salt, are set after this)
+local FORWARDED = {
+  ["content-length"] = true, ["content-type"] = true, ["accept"] = true, ["host"] = true,
+  ["transfer-encoding"] = true,
+}
+
+core.register_action("fleet_forward_only_needed", { "http-req" }, function(txn)
+  for name in pairs(txn.http:req_get_headers()) do
+    if not FORWARDED[string.lower(name)] then
+      txn.http:req_del_header(name)
+    end
+  end
+end)
+
 core.register_fetches("fleet_admit", function(txn, backend)
   local be = core.backends[backend]
   if be == nil then

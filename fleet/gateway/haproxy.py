@@ -231,6 +231,7 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         "  option httpchk GET /health",
         "  http-check expect status 200",
         "  http-request del-header authorization",  # the agent's key stays here; a host gets its own
+        "  http-request lua.fleet_forward_only_needed",  # and every header a host does not need (admission.lua)
         # a host reuses what it cached for this agent (or its cache group) alone: no agent learns from a cache
         # hit, a prompt's timings or its first token's time how much of its guess another agent's prompt held
         f"  http-request set-var(txn.cache_scope) var(txn.agent),map({files.cache_groups_map})",
@@ -291,6 +292,7 @@ def _overflow(settings: Settings, target: Target) -> list[str]:
     lines = [
         f"backend overflow_t{target.index}",
         "  filter lua.fleet_blind",  # the API's cached tokens are not the agent's to read (observe.lua)
+        "  http-request lua.fleet_forward_only_needed",  # nor its headers the provider's (admission.lua)
         f'  http-request set-header authorization "Bearer ${{{o.key_env}}}"',
         f"  http-request set-header host {host}",
         f"  http-request set-path {url.path}/chat/completions",
