@@ -724,3 +724,30 @@ def test_up_says_the_accounts_environment_variables_reach_every_host_and_never_t
     finally:
         subprocess.run([sys.executable, "-m", "fleet.cli", "destroy", "--all", "--yes"], env=env, timeout=300)
         httpx.request("DELETE", f"{cloud.info.url}/api/v0/secrets/", json={"key": "HF_TOKEN"}, headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("api_url", "refused"),
+    [
+        ("https://203.0.113.7:40123", True),  # the gateway's name, another port: a certificate names no port
+        ("https://[2001:0db8:0:0::1]:9", True),  # the same IPv6 address, written otherwise
+        ("https://198.51.100.9:8443", False),  # another address, the gateway's port
+        ("https://127.0.0.1:40123", False),  # loopback: the local cloud's hosts, on this machine
+    ],
+)
+async def test_no_host_certificate_names_an_address_of_the_gateways_on_any_port(tmp_path, api_url, refused):
+    """Security round four: fleet's CA signed a host certificate for the gateway's own IP when the listing gave
+    another port than the gateway's, and an agent's client accepted it for that IP."""
+    from fleet.core.models import Host
+    from fleet.host.certificate import refuse_held
+    from fleet.host.phase import PhaseFailed
+
+    settings = settings_for(tmp_path)
+    gateway = settings.gateway.model_copy(update={"listen": "0.0.0.0", "names": ["203.0.113.7", "2001:db8::1"]})
+    async with fleet_for(settings.model_copy(update={"gateway": gateway})) as fleet:
+        host = Host(name="tiny-eu-new", model="tiny", region="eu")
+        if refused:
+            with pytest.raises(PhaseFailed, match="an address of the gateway's"):
+                refuse_held(fleet, host, api_url)
+        else:
+            refuse_held(fleet, host, api_url)

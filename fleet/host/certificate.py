@@ -44,6 +44,25 @@ def refuse_held(ctx: Context, host: Host, api_url: str) -> None:
     gateway_ports = {t.port or gateway.port + i for i, t in enumerate(ctx.settings.serve)}
     if parts.hostname in gateway_addresses and parts.port in gateway_ports:
         raise PhaseFailed("start", f"the marketplace gave {api_url}, the gateway's own door")
+    # a certificate names an address, never a port: one for the gateway's address would pass at its door
+    # whatever port the listing gave (loopback is the local cloud's alone: its hosts run on this machine)
+    if (ip := _ip(parts.hostname)) is not None and not ip.is_loopback and ip in gateway_ips(ctx):
+        raise PhaseFailed("start", f"the marketplace gave {api_url}, an address of the gateway's")
+
+
+def gateway_ips(ctx: Context) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses agents reach the gateway by: its listen address (unless every interface) and the IPs
+    among its names."""
+    gateway = ctx.settings.gateway
+    found = {_ip(a) for a in (gateway.listen, *gateway.names)}
+    return {ip for ip in found if ip is not None and not ip.is_unspecified}
+
+
+def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address((text or "").strip("[]"))
+    except ValueError:
+        return None
 
 
 def lifetime_end(contract_end: dt.datetime | None, now: dt.datetime | None = None) -> dt.datetime:
