@@ -209,7 +209,7 @@ async def test_each_call_stays_on_its_host_for_twenty_turns_and_its_turns_are_wa
     assert all(n == 0 for hits in cached.values() for n in hits), cached
     logged = [
         dict(f.split("=", 1) for f in line.split())
-        for line in files_for(gw.settings).access_log.read_text().splitlines()
+        for line in await logged_lines(files_for(gw.settings).access_log, 40, agent="bob")
     ]
     turns = [line for line in logged if line.get("agent") == "bob" and line.get("admit") == "turn"]
     assert len(turns) == 38 and all(int(line["cached_tokens"]) > 0 for line in turns), turns
@@ -383,10 +383,13 @@ async def test_the_agents_door_speaks_modern_tls_alone_and_logs_each_request_wit
     assert log.stat().st_mode & 0o777 == 0o600
 
 
-async def logged_lines(log: Path, count: int) -> list[str]:
-    """The access log's lines once it holds `count` (HAProxy writes a request's line once its answer has gone)."""
+async def logged_lines(log: Path, count: int, agent: str | None = None) -> list[str]:
+    """The access log's lines (of `agent`'s requests, if named) once it holds `count` of them: HAProxy writes a
+    request's line once its answer has gone, through a pipe."""
     for _ in range(200):
         lines = log.read_bytes().decode(errors="replace").splitlines()
+        if agent is not None:
+            lines = [line for line in lines if f" agent={agent} " in line]
         if len(lines) >= count:
             return lines
         await asyncio.sleep(0.05)

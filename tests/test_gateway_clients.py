@@ -187,6 +187,15 @@ def logged(fleet: Fleet, agent: str) -> list[dict[str, str]]:
     return [f for f in (dict(w.split("=", 1) for w in line.split()) for line in lines) if f.get("agent") == agent]
 
 
+async def logged_at_least(fleet: Fleet, agent: str, count: int) -> list[dict[str, str]]:
+    """The agent's access log lines once there are `count` (HAProxy writes a line once its answer has gone)."""
+    for _ in range(200):
+        if len(lines := logged(fleet, agent)) >= count:
+            return lines
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{agent}: {len(lines)} access log lines, not {count}")
+
+
 async def test_pipecat_talks_through_the_gateway_keeps_its_call_on_its_host_and_fails_over_at_once(gw):
     key = await gateway.add_key(gw, "pipecat")
     await wait_hosts_up(gw, count=1)
@@ -202,7 +211,7 @@ async def test_pipecat_talks_through_the_gateway_keeps_its_call_on_its_host_and_
     context.add_message({"role": "assistant", "content": first or ""})
     context.add_message({"role": "user", "content": "And on Friday?"})
     assert first and await llm.run_inference(context, system_instruction="You are a receptionist.")
-    turns = logged(gw, "pipecat")
+    turns = await logged_at_least(gw, "pipecat", 2)
     assert [t["admit"] for t in turns] == ["new", "turn"] and turns[0]["call"] == turns[1]["call"]  # one call
     # the host goes: the bot's next turn fails at once (503, no_host), one request, no silent retry
     await gw.destroy([h.name for h in gw.record.open_hosts()])  # the gateway stays
@@ -214,3 +223,48 @@ async def test_pipecat_talks_through_the_gateway_keeps_its_call_on_its_host_and_
             break
         await asyncio.sleep(0.05)
     assert [t["status"] for t in logged(gw, "pipecat")] == ["200", "200", "503"]
+
+
+def livekit_llm(fleet: Fleet, key: str, call: str) -> Any:
+    """LiveKit Agents' OpenAI plugin as docs/gateway.md has a team configure it: an OpenAI client of its own with
+    fleet's CA for it alone and no SDK retries, the call named by `user`."""
+    from livekit.plugins import openai as livekit_openai
+
+    port = fleet.settings.serve[0].port or fleet.settings.gateway.port
+    client = openai.AsyncOpenAI(
+        api_key=key, base_url=f"https://localhost:{port}/v1", max_retries=0, timeout=10,
+        http_client=openai.DefaultAsyncHttpxClient(verify=fleet.tls),
+    )  # fmt: skip
+    return livekit_openai.LLM(model="tiny", client=client, user=call, max_completion_tokens=8)
+
+
+async def livekit_turn(model: Any, context: Any) -> str:
+    from livekit.agents import APIConnectOptions
+
+    # LiveKit's own retries (3, 2 s apart, by default) stack on the SDK's: none, so a fallback runs at once
+    async with model.chat(chat_ctx=context, conn_options=APIConnectOptions(max_retry=0, timeout=10)) as stream:
+        return "".join([c.delta.content async for c in stream if c.delta is not None and c.delta.content])
+
+
+async def test_livekit_agents_talk_through_the_gateway_keep_their_call_on_its_host_and_fail_over_at_once(gw):
+    from livekit.agents import APIStatusError, llm
+
+    key = await gateway.add_key(gw, "livekit")
+    await wait_hosts_up(gw, count=1)
+    model = livekit_llm(gw, key, "call-livekit-1")
+    context = llm.ChatContext.empty()
+    context.add_message(role="system", content="You are a receptionist.")
+    context.add_message(role="user", content="Hello")
+    first = await livekit_turn(model, context)
+    context.add_message(role="assistant", content=first)
+    context.add_message(role="user", content="And on Friday?")
+    assert first and await livekit_turn(model, context)
+    turns = await logged_at_least(gw, "livekit", 2)
+    assert [t["admit"] for t in turns] == ["new", "turn"] and turns[0]["call"] == turns[1]["call"]  # one call
+    # the host goes: the agent's next turn fails at once (503, no_host), one request, no retry of LiveKit's
+    await gw.destroy([h.name for h in gw.record.open_hosts()])  # the gateway stays
+    with pytest.raises(APIStatusError) as failed:
+        await livekit_turn(model, context)
+    assert failed.value.status_code == 503
+    lines = await logged_at_least(gw, "livekit", 3)
+    assert [t["status"] for t in lines] == ["200", "200", "503"]
