@@ -10,6 +10,7 @@ import asyncio
 import json
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,30 @@ async def test_livekit_agents_talk_through_the_gateway_keep_their_call_on_its_ho
     assert failed.value.status_code == 503
     lines = await logged_at_least(gw, "livekit", 3)
     assert [t["status"] for t in lines] == ["200", "200", "503"]
+
+
+def readme_snippet() -> str:
+    """The README's agent snippet, as written (the first Python block)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return readme.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_readmes_snippet_runs_as_written_against_the_gateway(gw):
+    key = await gateway.add_key(gw, "readme")
+    await wait_hosts_up(gw, count=1)
+    port = gw.settings.serve[0].port or gw.settings.gateway.port
+    code = readme_snippet()
+    # what a reader puts in: their CA file's path (status names it), their port, their key; nothing else changes
+    for written, theirs in (
+        ('"~/.local/state/fleet/tls/ca.pem"', repr((await gateway.status(gw))["ca_file"])),
+        ("https://localhost:8443/v1", f"https://localhost:{port}/v1"),
+        ('"fa-..."', repr(key)),
+    ):
+        assert code.count(written) == 1, f"the README's snippet no longer has {written}"
+        code = code.replace(written, theirs)
+    ran = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]
+    turns = await logged_at_least(gw, "readme", 1)
+    assert [(t["status"], t["admit"]) for t in turns] == [("200", "new")]
