@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ from fleet.core.models import BenchRun, HostState
 from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
 from fleet.gateway.files import endpoint_names, files_for
-from fleet.gateway.runtime import Runtime, checked
+from fleet.gateway.runtime import Runtime, checked, parse_table
 from fleet.host.endpoints import publish
 from tests.fleetkit import fleet_for, settings_for, write_config
 from tests.helpers import kill_llama_server, processes_mentioning
@@ -974,6 +975,38 @@ async def test_a_host_benched_for_calls_takes_new_calls_while_its_pinned_calls_s
         for host in hosts:  # the next tests take new calls by free streams
             gw.record.add(benched(host, None))
         await publish(gw)
+
+
+def fill_table(socket_path: Path, table: str, count: int) -> None:
+    """`count` entries put in a stick table over HAProxy's admin socket, a thousand commands a connection."""
+    for start in range(0, count, 1000):
+        line = "; ".join(f"set table {table} key stale/call-{i}" for i in range(start, min(start + 1000, count)))
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(socket_path))
+            s.sendall(line.encode() + b"\n")
+            while s.recv(1 << 16):
+                pass
+
+
+async def test_admission_and_a_drain_count_a_hosts_calls_the_same_beside_150000_others(gw):
+    """Security round four: admission dumped the whole call table on HAProxy's one thread for every new call
+    (300 ms at 150,000 entries), and past 4 MiB of it the drain's count raised, so a retiring host stayed
+    DRAINING. Each slot's door now counts its calls in a table whose size alone is read."""
+    key = await gateway.add_key(gw, "crowd")
+    await wait_hosts_up(gw)
+    files = files_for(gw.settings)
+    runtime = Runtime(files.socket)
+    await asyncio.to_thread(fill_table, files.socket, "calls_t0", 150_000)  # others' calls, every one stale
+    assert (await runtime.tables_used())["calls_t0"] >= 150_000
+    async with client(gw, key) as c:
+        for call in ("crowd-a", "crowd-b", "crowd-c"):
+            assert (await c.post(CHAT, json=turn("hello"), headers={"X-Session-Id": call})).status_code == 200
+    counts = {h.name: await gateway.calls_on(gw, h) for h in gw.record.hosts(states=(HostState.READY,))}
+    pinned: Counter[str] = Counter()
+    for c in "abc":  # the calls' own entries, read by key (the whole table is past what fleet reads at once)
+        (text,) = await runtime.run(checked("show", "table", "calls_t0", "key", f"crowd/crowd-{c}"))
+        pinned[parse_table(text)[f"crowd/crowd-{c}"]["server_key"]] += 1
+    assert sorted(counts.values()) == sorted(pinned.values()) and sum(counts.values()) == 3, (counts, pinned)
 
 
 async def test_a_thermal_sweep_never_runs_its_load_beside_a_live_call(gw):

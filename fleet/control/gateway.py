@@ -177,23 +177,17 @@ async def renew(ctx: Context) -> list[str]:
 
 
 async def calls_on(ctx: Context, host: Host) -> int:
-    """Calls pinned to the host in this machine's gateway with a turn within gateway.call_idle_s."""
+    """Calls on the host in this machine's gateway with a turn within gateway.call_idle_s (its slot's door
+    counts them: the table's size is read, never its entries)."""
     files = _files(ctx)
     if host.gateway_slot is None or process.running_pid(files) is None:
         return 0
-    runtime = Runtime(files.socket)
-    count = 0
-    for target in targets(ctx.settings):
-        if (target.model, target.region) == (host.model, host.region):
-            table = await runtime.table(target.backend)
-            server = f"s{host.gateway_slot}"
-            count += sum(1 for e in table.values() if e.get("server_key") == server and _rate(e) > 0)
-    return count
-
-
-def _rate(entry: dict[str, str]) -> int:
-    value = next((v for k, v in entry.items() if k.startswith("http_req_rate(")), "0")
-    return int(value) if value.isdigit() else 0
+    used = await Runtime(files.socket).tables_used()
+    return sum(
+        used.get(target.slot_section(host.gateway_slot), 0)
+        for target in targets(ctx.settings)
+        if (target.model, target.region) == (host.model, host.region)
+    )
 
 
 async def wait_calls_end(ctx: Context, host: Host, deadline_s: float) -> int:

@@ -5,9 +5,11 @@
 --   "full": a new call and no free place: overflow, or 503
 --   "none": a new call, and no host takes new calls at all (none READY): overflow, or 503 saying so
 -- A place is one call of the calls its host holds in conversation (host-calls.map beside this file, which fleet
--- keeps: `fleet bench`'s capacity in calls), counted as the calls pinned to it in the stick table that spoke
--- within the call idle time; a host never benched for calls has one place per concurrent stream of its
--- measured capacity (its server's maxconn). Turns in flight beyond the maxconn wait in HAProxy's queue.
+-- keeps: `fleet bench`'s capacity in calls), counted as the calls whose turns reached its slot's door within the
+-- call idle time (the door section's stick table: one entry a call, forgotten that long after its last turn;
+-- its size is read, never its entries, so a new call costs the same at 10 calls or 200,000); a host never
+-- benched for calls has one place per concurrent stream of its measured capacity (its server's maxconn). Turns
+-- in flight beyond the maxconn wait in HAProxy's queue.
 
 local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
 local calls_limit = Map.new(here .. "host-calls.map", Map._str)
@@ -22,19 +24,13 @@ local function alive(status)
   return takes_new(status) or status:sub(1, 5) == "DRAIN" or status:sub(1, 4) == "NOLB"
 end
 
--- the calls pinned to each server that spoke within the call idle time (http_req_rate over it)
-local function pinned(be)
-  local counts = {}
-  if be.stktable == nil then
-    return counts
+-- the calls in conversation on a backend's server: its slot's door section (calls_tN/sS -> host_tN_S) counts them
+local function in_conversation(backend, server)
+  local door = core.backends["host_" .. backend:sub(7) .. "_" .. server:sub(2)]
+  if door == nil or door.stktable == nil then
+    return 0
   end
-  for _, entry in pairs(be.stktable:dump()) do
-    local rate = tonumber(entry.http_req_rate) or 0
-    if entry.server_key ~= nil and rate > 0 then
-      counts[entry.server_key] = (counts[entry.server_key] or 0) + 1
-    end
-  end
-  return counts
+  return tonumber(door.stktable:info().used) or 0
 end
 
 -- the headers a host (or the overflow) is sent of an agent's request: its framing and its body's type. An
@@ -67,7 +63,6 @@ core.register_fetches("fleet_admit", function(txn, backend)
       return "turn"
     end
   end
-  local counts = nil
   local open = false
   for name, srv in pairs(be.servers) do
     local stats = srv:get_stats()
@@ -75,8 +70,7 @@ core.register_fetches("fleet_admit", function(txn, backend)
       open = true
       local limit = tonumber(calls_limit:lookup(backend .. "/" .. name))
       if limit ~= nil then
-        counts = counts or pinned(be)
-        if (counts[name] or 0) < limit then
+        if in_conversation(backend, name) < limit then
           return "new"
         end
       elseif (tonumber(stats.slim) or 0) > (tonumber(stats.scur) or 0) then

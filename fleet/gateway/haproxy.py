@@ -185,6 +185,7 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
 
 CALL_KEY_ENV = "FLEET_CALL_LOG_KEY"  # HAProxy's environment alone holds the access log's key (base64)
 SALT_KEY_ENV = "FLEET_CACHE_SALT_KEY"  # and the key of the agents' cache salts (base64)
+CALL_HEADER = "x-fleet-call"  # from a target's backend to its slot's door, which counts the calls it carries
 
 
 def _access_log_format(target: Target, files: GatewayFiles) -> str:
@@ -239,6 +240,9 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         " unless { var(txn.cache_scope) -m found }",
         f"  http-request set-header {CACHE_SALT_HEADER}"
         f' "%[var(txn.cache_scope),hmac(sha256,${{{SALT_KEY_ENV}}}),hex,lower]"',  # HAProxy reads $ within quotes
+        # the call, hashed, for its slot's door to count (and take off): a header of fleet's, set after the
+        # agent's own were dropped
+        f"  http-request set-header {CALL_HEADER} %[var(txn.call),sha2(256),hex] if {{ var(txn.call) -m found }}",
         *(
             f"  server s{slot} unix@{files.door(target.index, slot)} disabled maxconn 1 {check}"
             for slot in range(g.slots)
@@ -252,6 +256,13 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         lines += [
             f"listen {target.slot_section(slot)}",
             f"  bind unix@{files.door(target.index, slot)} mode 600",
+            # the calls in conversation on this slot's host: each call whose turn came through within the call
+            # idle time, one entry each, forgotten that long after its last turn. Admission and a drain read
+            # how many there are (the table's `used`), never the entries: the same cost at 10 calls or 200,000
+            f"  stick-table type string len 64 size {STICK_ENTRIES} expire {g.call_idle_s}s"
+            f"{' peers fleet' if g.peers else ''}",
+            f"  http-request track-sc0 req.hdr({CALL_HEADER}) if {{ req.hdr({CALL_HEADER}) -m found }}",
+            f"  http-request del-header {CALL_HEADER}",
             "  http-reuse always",
             f'  http-request set-header authorization "Bearer %[fe_name,map({files.host_map})]"',
             f"  server host 127.0.0.1:1 disabled ssl verify required ca-file {ca_file}"

@@ -131,6 +131,12 @@ class Runtime:
         (text,) = await self.run(checked("show", "table", name))
         return parse_table(text)
 
+    async def tables_used(self) -> dict[str, int]:
+        """How many entries each stick table holds (`show table` without a name: a line a table, never its
+        entries, whatever their number)."""
+        (text,) = await self.run("show table")
+        return parse_tables_used(text)
+
 
 REFUSALS = ("Unknown command", "Require ", "No such", "Can't find", "Permission denied", "'", "Failed", "Unable")
 
@@ -179,6 +185,14 @@ def parse_map(text: str) -> dict[str, str]:
         if len(parts) == 3 and parts[0].startswith("0x"):
             out[parts[1]] = parts[2]
     return out
+
+
+TABLE_LINE = re.compile(r"# table: ([A-Za-z0-9_.-]+), type: \w+, size:\d+, used:(\d+)")
+
+
+def parse_tables_used(text: str) -> dict[str, int]:
+    """`show table`'s summary: `# table: NAME, type: T, size:N, used:M` a line."""
+    return {m.group(1): int(m.group(2)) for line in text.splitlines() if (m := TABLE_LINE.match(line))}
 
 
 def parse_table(text: str) -> dict[str, dict[str, str]]:

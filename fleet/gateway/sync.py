@@ -119,6 +119,7 @@ async def _slot(
         # observe.lua's counts start again for the new host (an HAProxy started by an older fleet has no such
         # command: it keeps serving, its counts unreset, until it is started again)
         await runtime.run(checked("fleet", "forget", target.backend, f"s{slot}"))
+        await runtime.must(checked("clear", "table", section))  # the calls it counts are the old host's
         await runtime.must(checked("set", "server", server, "addr", member.address, "port", str(member.port)))
         await runtime.must(checked("set", "server", server, "state", "ready"))
         report.added.append(member.host)
