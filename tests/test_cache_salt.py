@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.engines.llama_server import CACHE_SALT_HEADER
+from fleet.engines import CACHE_SALT_HEADER
 from fleet.localcloud import tinymodels
 from fleet.localcloud.llamaproc import llama_server as run_llama_server
 

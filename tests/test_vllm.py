@@ -21,8 +21,7 @@ from fleet.core.apikeys import cache_salt_key
 from fleet.core.config import Serve
 from fleet.core.models import HostState, as_utc
 from fleet.economics import report
-from fleet.engines import registry, vllm
-from fleet.engines.llama_server import CACHE_SALT_HEADER
+from fleet.engines import CACHE_SALT_HEADER, registry, vllm
 from fleet.engines.metrics import requests_in_flight
 from fleet.host.endpoints import publish
 from fleet.localcloud import tinyhf, toolchain

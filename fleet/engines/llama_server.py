@@ -8,7 +8,7 @@ import re
 from typing import ClassVar
 
 from fleet.core.config import Profile
-from fleet.engines import TEMPLATE_FILE, TLS_CERT_FILE, TLS_KEY_FILE
+from fleet.engines import CACHE_SALT_HEADER, TEMPLATE_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 from fleet.engines.base import Engine, Payload
 
 # The CUDA architectures the host image's llama-server is built for (images/llama-server/Dockerfile's
@@ -24,9 +24,8 @@ COMPUTE_CAPS = tuple(arch * 10 for arch in CUDA_ARCHITECTURES)
 EXPOSURE = ["--no-slots", "--no-webui", "--metrics"]
 # Every host serves HTTPS alone: a call's transcript crosses the internet (fleet/core/tls.py signs the cert).
 TLS = ["--ssl-key-file", TLS_KEY_FILE, "--ssl-cert-file", TLS_CERT_FILE]
-# A cached prompt is reused only for requests of the same salt, which the gateway sets per agent in this header
-# (patch 0005): no agent learns from a cache hit what another agent's prompt held. fleet's own probes send none.
-CACHE_SALT_HEADER = "x-fleet-cache-salt"
+# A cached prompt is reused only for requests of the same salt, which the gateway sets per agent (patch 0005): no
+# agent learns from a cache hit what another agent's prompt held. fleet's own probes send none.
 CACHE_SALT = ["--cache-salt-header", CACHE_SALT_HEADER]
 
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from fleet.core.config import Settings
 from fleet.core.tls import peer_tls_name
-from fleet.engines.llama_server import CACHE_SALT_HEADER
+from fleet.engines import CACHE_SALT_HEADER
 from fleet.gateway import answers
 from fleet.gateway.files import GatewayFiles
 from fleet.gateway.targets import Target

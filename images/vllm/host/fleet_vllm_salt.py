@@ -6,7 +6,7 @@ request it sends, replacing any an agent sent. fleet-serve loads this ASGI middl
 fleet_vllm_salt.CacheSaltFromHeader`), which writes that header's value into the JSON body's `cache_salt`
 and drops any salt the body named, so no agent reuses, or learns of, a prompt another agent's request
 cached: a request without the header (fleet's own probes) has no salt. The header's name is fleet's
-CACHE_SALT_HEADER (fleet/engines/llama_server.py), which a test holds equal.
+CACHE_SALT_HEADER (fleet/engines/__init__.py), which a test holds equal.
 """
 
 import json
