@@ -198,3 +198,24 @@ async def test_a_host_or_the_overflow_is_sent_only_the_headers_it_needs(tmp_path
     assert got["authorization"] == "Bearer provider-key" and got["content-type"] == "application/json"
     assert not {"x-session-id", "cookie", "user-agent", "x-customer", "x-fleet-cache-salt"} & set(got), got
     assert set(got) <= {"authorization", "content-type", "content-length", "accept", "host"}, got
+
+
+@pytest.mark.parametrize("gw", [{"new_calls_per_agent_s": 1}], indirect=True)
+async def test_an_agents_flood_of_new_calls_is_refused_while_its_turns_and_other_agents_go_on(gw):
+    """Security round four: one agent's refused new calls stalled another agent's stream. New calls are limited
+    per agent (here 1 a second over 10 s: 10); a turn of a call in progress never is, nor is another agent."""
+    flood, calm = await gateway.add_key(gw, "flood"), await gateway.add_key(gw, "calm")
+    await wait_hosts_up(gw, 1)
+    async with client(gw, flood) as c:
+        answered = [
+            (await c.post(CHAT, json=turn("hi", 2), headers={"X-Session-Id": f"flood-{i}"})).status_code
+            for i in range(12)
+        ]
+        refused = await c.post(CHAT, json=turn("hi", 2), headers={"X-Session-Id": "flood-12"})
+        turn_goes_on = await c.post(CHAT, json=turn("hi again", 2), headers={"X-Session-Id": "flood-0"})
+    assert answered == [200] * 10 + [429] * 2, answered
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "too_many_new_calls"
+    assert turn_goes_on.status_code == 200
+    async with client(gw, calm) as c:
+        assert (await c.post(CHAT, json=turn("hi", 2), headers={"X-Session-Id": "calm-1"})).status_code == 200

@@ -102,6 +102,8 @@ class Gateway(Strict):
     # a call with no turn for this long is over: a draining host waits (up to rotation.drain_timeout_s) for
     # the calls with a turn more recent than this
     call_idle_s: Annotated[int, Field(ge=1, le=3600)] = 20
+    # an agent's new calls a second (over 10 s) before the gateway answers 429: turns of calls in progress never
+    new_calls_per_agent_s: Annotated[int, Field(ge=1, le=10_000)] = 50
     # Several gateway instances share which host holds each call: every instance's name=ADDRESS:PORT, this one's
     # among them as `peer_name` (their stick tables travel over TLS with fleet's certificates)
     peers: list[str] = []

@@ -45,6 +45,9 @@ def too_large(limit_kb: int) -> Refusal:
 NOT_CHAT = Refusal(400, "invalid_request_error", "invalid_body", "the body is not a chat request in JSON")
 NOT_OURS = Refusal(400, "invalid_request_error", "invalid_body", "id_slot is not for agents: the gateway places calls")
 ONE_COMPLETION = Refusal(400, "invalid_request_error", "invalid_body", "one completion a request: n must be 1")
+TOO_MANY_NEW_CALLS = Refusal(
+    429, "rate_limit_exceeded", "too_many_new_calls", "this agent starts new calls too fast: retry", retry=True
+)
 FULL = Refusal(503, "overloaded", "full", "every host of this target is full: retry", retry=True)
 NO_HOST = Refusal(503, "service_unavailable", "no_host", "no host serves this target now: retry", retry=True)
 # what HAProxy itself answers when a host fails under a request (before its first byte), or none is there

@@ -166,6 +166,11 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         # holds no '/', so the key is read one way)
         "  http-request set-var(txn.call) var(txn.agent),concat(/,txn.call) if { var(txn.call) -m found }",
         f"  http-request set-var(txn.admit) lua.fleet_admit({target.backend})",
+        # an agent's new calls (a turn of a call in progress is never refused), at most new_calls_per_agent_s
+        # a second over 10 s: one agent's flood neither fills the hosts nor holds HAProxy's thread for others
+        f"  http-request track-sc2 var(txn.agent) table new_calls_{t} unless {{ var(txn.admit) -m str turn }}",
+        f"  http-request return {answers.TOO_MANY_NEW_CALLS.rule(after)} if !{{ var(txn.admit) -m str turn }}"
+        f" {{ sc2_http_req_rate(new_calls_{t}) gt {g.new_calls_per_agent_s * 10} }}",
         f"  http-request track-sc1 var(txn.admit) table counts_{t}",
         *(
             [f"  use_backend overflow_{t} if {full}"]
@@ -179,6 +184,9 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         "",
         f"backend counts_{t}",  # how many requests were new calls, turns, and full: fleet gateway status reads it
         "  stick-table type string len 8 size 8 store http_req_cnt",
+        "",
+        f"backend new_calls_{t}",  # each agent's new calls over the last 10 s
+        "  stick-table type string len 64 size 100k expire 20s store http_req_rate(10s)",
         "",
     ]
 
