@@ -195,6 +195,16 @@ def local_cloud_env(cloud: CloudHandle, monkeypatch: pytest.MonkeyPatch) -> Iter
     cloud.set_faults({})
 
 
+@pytest.fixture(scope="module")
+def module_cloud_env(cloud: CloudHandle) -> Iterator[None]:
+    """As local_cloud_env, for a module's own hosts (module-scoped fixtures that bring them up)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
+        cloud.set_faults({})
+        yield
+        cloud.set_faults({})
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """A private PostgreSQL server (Debian's package) on a free loopback port, for this test session.

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +73,6 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gateway")
 
 
-@pytest.fixture(scope="module")
-def _cloud_env(cloud) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-        cloud.set_faults({})
-        yield
-        cloud.set_faults({})
-
-
 def gateway_settings(base: Path, name: str, **gateway_keys: Any) -> config.Settings:
     """The module's record (its two hosts), a tiny target in the EU, and a gateway of its own: folder, ports."""
     settings = settings_for(base)
@@ -95,7 +86,7 @@ def gateway_settings(base: Path, name: str, **gateway_keys: Any) -> config.Setti
 
 
 @pytest.fixture(scope="module")
-async def two_hosts(_cloud_env, module_dir: Path) -> AsyncIterator[list[str]]:
+async def two_hosts(module_cloud_env, module_dir: Path) -> AsyncIterator[list[str]]:
     """Two READY tiny hosts (one slot each: the target carries two concurrent streams)."""
     async with fleet_for(settings_for(module_dir)) as fleet:
         result = await fleet.up(UpRequest(model="tiny", region="eu", count=2))
@@ -107,10 +98,9 @@ async def two_hosts(_cloud_env, module_dir: Path) -> AsyncIterator[list[str]]:
             await fleet.destroy(None)
 
 
-@pytest.fixture
-async def gw(two_hosts, module_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
-    """A gateway of this test's own (its folder, its port), stopped afterwards whatever happened."""
-    settings = gateway_settings(module_dir, request.node.name[:40], **getattr(request, "param", {}))
+@asynccontextmanager
+async def running_gateway(settings: config.Settings) -> AsyncIterator[Fleet]:
+    """A fleet of these settings with its gateway started, stopped afterwards whatever happened."""
     async with fleet_for(settings) as fleet:
         try:
             await gateway.start(fleet)
@@ -118,6 +108,18 @@ async def gw(two_hosts, module_dir: Path, request: pytest.FixtureRequest) -> Asy
         finally:
             await gateway.stop(fleet)
     assert process.running_pid(files_for(settings)) is None
+
+
+def gateway_of_test(module_dir: Path, request: pytest.FixtureRequest) -> AbstractAsyncContextManager[Fleet]:
+    """The gateway of one test: its own folder and port, with the settings a parametrized test names."""
+    return running_gateway(gateway_settings(module_dir, request.node.name[:40], **getattr(request, "param", {})))
+
+
+@pytest.fixture
+async def gw(two_hosts, module_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """A gateway of this test's own (its folder, its port), stopped afterwards whatever happened."""
+    async with gateway_of_test(module_dir, request) as fleet:
+        yield fleet
 
 
 def client(fleet: Fleet, key: str | None, timeout: float = 30) -> httpx.AsyncClient:

@@ -22,11 +22,10 @@ from fleet.context import tls_dir
 from fleet.control import gateway
 from fleet.control.up import UpRequest
 from fleet.core import tls
-from fleet.gateway import process
 from fleet.gateway.files import files_for
 from fleet.gateway.runtime import Runtime
 from tests.fleetkit import fleet_for, settings_for
-from tests.test_gateway import CHAT, client, gateway_settings, served_by_host, turn, wait_hosts_up
+from tests.test_gateway import CHAT, client, gateway_of_test, gateway_settings, served_by_host, turn, wait_hosts_up
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +34,7 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def _cloud_env(cloud) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-        cloud.set_faults({})
-        yield
-
-
-@pytest.fixture(scope="module")
-async def one_host(_cloud_env, module_dir: Path) -> AsyncIterator[str]:
+async def one_host(module_cloud_env, module_dir: Path) -> AsyncIterator[str]:
     """One READY tiny host of one slot: every call, the victim's and the guesser's, is its."""
     async with fleet_for(settings_for(module_dir)) as fleet:
         try:
@@ -55,14 +46,8 @@ async def one_host(_cloud_env, module_dir: Path) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def gw(one_host, module_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
-    settings = gateway_settings(module_dir, request.node.name[:40], **getattr(request, "param", {}))
-    async with fleet_for(settings) as fleet:
-        try:
-            await gateway.start(fleet)
-            yield fleet
-        finally:
-            await gateway.stop(fleet)
-    assert process.running_pid(files_for(settings)) is None
+    async with gateway_of_test(module_dir, request) as fleet:
+        yield fleet
 
 
 # the victim's prompt; the attacker's guesses are the same text, word for word: the strongest guess there is
@@ -169,7 +154,7 @@ def echo_api(certificate: bytes, key: bytes, folder: Path) -> Iterator[tuple[int
         server.server_close()
 
 
-async def test_a_host_or_the_overflow_is_sent_only_the_headers_it_needs(tmp_path, monkeypatch, _cloud_env):
+async def test_a_host_or_the_overflow_is_sent_only_the_headers_it_needs(tmp_path, monkeypatch, module_cloud_env):
     """Round two of the clients' review: the gateway passed every header of an agent's request to the rented
     host (cookies, user agent, its call id). A target with no host overflows here, to an API that shows what
     it got: the request's framing and type, fleet's own key for the provider, and nothing of the agent's."""

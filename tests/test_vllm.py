@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -42,12 +42,8 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def _cloud_env(cloud) -> Iterator[None]:
+def _cloud_env(module_cloud_env) -> None:
     assert toolchain.vllm_python_path() is not None, "vLLM is not installed: run scripts/setup-vllm"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEET_LOCALCLOUD_DIR", str(cloud.info.state_dir))
-        cloud.set_faults({})
-        yield
 
 
 @pytest.fixture(scope="module")
