@@ -230,10 +230,10 @@ def _backend(settings: Settings, target: Target, files: GatewayFiles, ca_file: s
         f"backend {target.backend}",
         "  balance leastconn",
         "  filter lua.fleet_observe",  # first content and warm turns' cache hits, per host (observe.lua)
+        # which host holds each call (its turns go there); how many calls each host holds, its slot's door counts
         f"  stick-table type string len {STICK_KEY_BYTES} size {STICK_ENTRIES} expire 1h"
-        f"{' peers fleet' if g.peers else ''} store http_req_rate({g.call_idle_s}s)",
+        f"{' peers fleet' if g.peers else ''}",
         "  stick on var(txn.call)",
-        "  http-request track-sc0 var(txn.call)",  # each call's recent turns: a draining host waits for them
         "  option redispatch 1",
         "  retries 1",
         "  retry-on conn-failure empty-response 502 503",
