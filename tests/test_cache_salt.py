@@ -40,16 +40,18 @@ def server(request, llama_server: Path, model: Path) -> Iterator[tuple[str, str]
         yield request.param, url
 
 
-def ask(url: str, salt: str | None, **body: object) -> dict[str, int]:
-    """One turn; the prompt tokens it took from a cache and those it processed."""
+def ask(url: str, salt: str | None, **body: object) -> dict[str, object]:
+    """One greedy turn: the prompt tokens it took from a cache, those it processed, and its reply."""
     headers = {CACHE_SALT_HEADER: salt} if salt is not None else {}
-    payload = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0, **body}
+    payload = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0, **body}
     reply = httpx.post(f"{url}/v1/chat/completions", json=payload, headers=headers, timeout=120)
     assert reply.status_code == 200, reply.text
     found = reply.json()
     timings = found["timings"]
     assert timings["cache_n"] + timings["prompt_n"] == found["usage"]["prompt_tokens"], found
-    return {"cached": timings["cache_n"], "processed": timings["prompt_n"], "prompt": found["usage"]["prompt_tokens"]}
+    reply = found["choices"][0]["message"]["content"]
+    return {"cached": timings["cache_n"], "processed": timings["prompt_n"], "prompt": found["usage"]["prompt_tokens"],
+            "reply": reply}  # fmt: skip
 
 
 def test_a_prompt_cached_under_one_salt_is_never_reused_under_another(server):
@@ -58,11 +60,14 @@ def test_a_prompt_cached_under_one_salt_is_never_reused_under_another(server):
     assert first["prompt"] > 100 and first["cached"] == 0
     again = ask(url, "alice")  # the oracle the salt keeps within one agent: its own prompt is cached
     assert again["cached"] >= first["prompt"] - 2, (name, again)
-    # another agent sending the same prompt, word for word, learns nothing: every token processed
-    assert ask(url, "bob")["cached"] == 0, name
+    # another agent sending the same prompt, word for word, learns nothing: every token processed; and the
+    # salt changes what is reused, never what is said: the same greedy reply as the first, processed whole
+    bob = ask(url, "bob")
+    assert bob["cached"] == 0 and bob["reply"] == first["reply"], (name, bob, first)
     # a body's cache_salt is not the client's to choose on a server that takes it from the header
     assert ask(url, "mallory", cache_salt="bob")["cached"] == 0, name
-    assert ask(url, None, cache_salt="mallory")["cached"] == 0, name  # no header: the empty salt, its own
+    unsalted = ask(url, None, cache_salt="mallory")  # no header: the empty salt, as a request before the patch
+    assert unsalted["cached"] == 0 and unsalted["reply"] == first["reply"], name
     if name == "the prompt cache":
         # the state alice's turns left was saved when the slot went to another salt, and comes back for her alone
         assert ask(url, "alice")["cached"] >= first["prompt"] - 2, name

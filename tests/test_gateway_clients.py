@@ -27,7 +27,7 @@ from fleet.core.config import Serve
 from fleet.gateway.files import files_for
 from tests.fleetkit import fleet_for, settings_for
 from tests.helpers import kill_llama_server
-from tests.test_gateway import cli_env_for, free_port, served_by_host, wait_hosts_up
+from tests.test_gateway import cli_env_for, free_port, logged_lines, served_by_host, wait_hosts_up
 
 
 @pytest.fixture(scope="module")
@@ -189,12 +189,9 @@ def logged(fleet: Fleet, agent: str) -> list[dict[str, str]]:
 
 
 async def logged_at_least(fleet: Fleet, agent: str, count: int) -> list[dict[str, str]]:
-    """The agent's access log lines once there are `count` (HAProxy writes a line once its answer has gone)."""
-    for _ in range(200):
-        if len(lines := logged(fleet, agent)) >= count:
-            return lines
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{agent}: {len(lines)} access log lines, not {count}")
+    """The agent's access log lines, read, once there are `count`."""
+    lines = await logged_lines(files_for(fleet.settings).access_log, count, agent=agent)
+    return [dict(w.split("=", 1) for w in line.split()) for line in lines]
 
 
 async def test_pipecat_talks_through_the_gateway_keeps_its_call_on_its_host_and_fails_over_at_once(gw):

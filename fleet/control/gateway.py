@@ -207,7 +207,8 @@ async def status(ctx: Context) -> dict[str, Any]:
     of new calls, turns and refusals (or overflows), and the agents' keys."""
     files = _files(ctx)
     pid = process.running_pid(files)
-    ca_file = str(tls_dir(ctx.settings) / "ca.pem") if signer(ctx.settings) == "fleet" else None
+    signed_by = signer(ctx.settings)
+    ca_file = str(tls_dir(ctx.settings) / "ca.pem") if signed_by == "fleet" else None
     return {
         "running": pid is not None,
         "pid": pid,
@@ -215,7 +216,7 @@ async def status(ctx: Context) -> dict[str, Any]:
         "directory": str(files.directory),
         # who signs the agents' door, and the CA file an agent verifies it with (None: its own trust store, or
         # the team's CA): read, never made here, status starts nothing
-        "signed_by": signer(ctx.settings),
+        "signed_by": signed_by,
         "ca_file": ca_file,
         "tls_check": tls_check(ctx.settings, ca_file),
         "agents": [k.name for k in agent_keys(ctx.record)],
@@ -247,7 +248,7 @@ def tls_check(settings: Settings, ca_file: str | None) -> str:
     """A command a user runs to see whether a client trusts the gateway's first door as an agent must (`ok`, or
     the verification error): what pipecat's "Connection error." hides."""
     host = door_host(settings).strip("[]")
-    port = settings.serve[0].port or settings.gateway.port if settings.serve else settings.gateway.port
+    port = next((t.port for t in targets(settings)), settings.gateway.port)
     trust = f"cafile={ca_file!r}" if ca_file else ""
     return (
         f'python3 -c "import ssl,socket; c=ssl.create_default_context({trust}); '

@@ -148,9 +148,13 @@ def _frontend(settings: Settings, target: Target, files: GatewayFiles) -> list[s
         # take every slot with n)
         f"  http-request return {answers.NOT_OURS.rule(after)} if {{ req.body,json_query('$.id_slot') -m found }}",
         *(
-            f"  http-request return {answers.ONE_COMPLETION.rule(after)}"
-            f" if {{ req.body,json_query('$.{field}') -m found }} !{{ req.body,json_query('$.{field}') -m int 1 }}"
-            for field in ("n", "n_cmpl")
+            line
+            for field in ("n", "n_cmpl")  # each read from the body once
+            for line in (
+                f"  http-request set-var(txn.{field}) req.body,json_query('$.{field}')",
+                f"  http-request return {answers.ONE_COMPLETION.rule(after)}"
+                f" if {{ var(txn.{field}) -m found }} !{{ var(txn.{field}) -m int 1 }}",
+            )
         ),
         "  http-request set-var(txn.model) req.body,json_query('$.model')",
         f"  http-request return {answers.not_served(target.alias).rule(after)}"
