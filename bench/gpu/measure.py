@@ -648,9 +648,13 @@ def calls() -> None:
     try:
         host, seconds = up(CALLS_PROFILE)
         levels, speakers = _levels("CALLS_LEVELS", "8,16,32,64"), _levels("CALLS_SPEAKERS", "8,32,64")
-        rows = served.calls(host, levels, speakers, CALLS_TURNS, CALLS_TOKENS)
+
+        def keep_calls(rows: dict) -> None:
+            (OUT / "calls.json").write_text(json.dumps({**rows, "up_s": seconds}, indent=1))
+
+        rows = served.calls(host, levels, speakers, CALLS_TURNS, CALLS_TOKENS, keep_calls)
         rows["up_s"] = seconds
-        (OUT / "calls.json").write_text(json.dumps(rows, indent=1))
+        keep_calls(rows)
         text = calls_table(rows, profile.voice)
         (OUT / "calls.md").write_text(text)
         print(text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +85,31 @@ async def _through_gateway(host_name: str, most: int) -> dict[str, list[dict[str
         return rows
 
 
-def calls(host_name: str, levels: list[int], speakers: list[int], turns: int, max_tokens: int) -> dict[str, Any]:
+def calls(
+    host_name: str,
+    levels: list[int],
+    speakers: list[int],
+    turns: int,
+    max_tokens: int,
+    keep: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
     """The `calls` mode's rows: calls in conversation (fleet/probes/conversation.py, each call named so the
     gateway pins it) at each of `levels` through `fleet gateway` and then directly on the same host, one path
     after the other at each level; then speakers (every caller speaking at once, no gap) at each of `speakers`
     on both paths, for the gateway's added first content and its throughput ratio. Levels past the host's
-    slots are left out: a call beyond them shares a slot and loses its cache."""
-    return asyncio.run(_calls(host_name, levels, speakers, turns, max_tokens))
+    slots are left out: a call beyond them shares a slot and loses its cache. `keep` gets the rows so far after
+    every level: a run cut by the machine's limit still brings back the levels it finished."""
+    return asyncio.run(_calls(host_name, levels, speakers, turns, max_tokens, keep))
 
 
-async def _calls(host_name: str, levels: list[int], speakers: list[int], turns: int, max_tokens: int) -> dict[str, Any]:
+async def _calls(
+    host_name: str,
+    levels: list[int],
+    speakers: list[int],
+    turns: int,
+    max_tokens: int,
+    keep: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
     async with open_fleet(registry.load()) as fleet:
         host = fleet.record.hosts(names=[host_name])[0]
         profile = fleet.settings.profile(host.model)
@@ -115,10 +131,12 @@ async def _calls(host_name: str, levels: list[int], speakers: list[int], turns: 
                 level = await converse(server, call, n, turns, max_tokens, gap, slots, named=True)
                 rows["calls"][path].append(level.as_dict())
                 print(f"calls {n} via {path}: {level.as_dict()}", flush=True)
+                keep(rows)
         for n in (n for n in speakers if n <= slots):
             for path, server in paths:
                 level = await run_level(server, call, n, WAVES, 1, max_tokens, None)
                 rows["speakers"][path].append(level.as_dict())
                 print(f"speakers {n} via {path}: {level.as_dict()}", flush=True)
+                keep(rows)
         await gateway.stop(fleet)
         return rows
