@@ -76,3 +76,39 @@ def test_a_logit_bias_reaches_the_candidates_top_k_takes_from_the_logits(server)
     assert set(forced["tokens"]) == {token}
     whole = complete(server, PROMPTS[0], WHOLE_VOCAB, sampling, logit_bias=[[token, 100.0]], return_tokens=True)
     assert json.dumps(forced) == json.dumps(whole)
+
+
+# Patch 0006 selects the top-k candidates of every sequence a step samples at once, on the server's CPU threads,
+# and each sampler then takes its own. One request with several prompts makes their tasks start in the same
+# step, so the batches are the same on both paths and each prompt's tokens must be too. With a draft model (the
+# same model, so that drafts are often accepted and sometimes not), a step samples several outputs of each
+# sequence, and those a rejected draft leaves unsampled must not reach the next step.
+MANY = [f"caller {k}: the order ships on" for k in range(8)]
+
+
+@pytest.fixture(scope="module", params=["alone", "draft"])
+def busy_server(request, llama_server: Path, tmp_path_factory) -> str:
+    path = tinymodels.generate(tinymodels.LARGE_VOCAB, tmp_path_factory.mktemp("busy") / "gemma-vocab.gguf")
+    draft = ["-md", str(path), "--spec-draft-n-max", "3"] if request.param == "draft" else []
+    with run_llama_server(llama_server, path, "-np", "8", "-c", "4096", "-t", "4", *draft, timeout_s=120) as url:
+        yield url
+
+
+def complete_many(url: str, samplers: list[str], sampling: dict) -> list[list[int]]:
+    body = {"prompt": MANY, "n_predict": 24, "seed": 7, "samplers": samplers, "typ_p": 1.0, "repeat_penalty": 1.0,
+            "cache_prompt": False, "return_tokens": True, **sampling}  # fmt: skip
+    reply = httpx.post(f"{url}/completion", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return [r["tokens"] for r in sorted(reply.json(), key=lambda r: r["index"])]
+
+
+@pytest.mark.parametrize("name", ["a4b", "phonellm"])
+def test_sequences_sampled_in_one_step_get_the_whole_vocabularys_tokens(busy_server, name):
+    fast = complete_many(busy_server, TOP_K_FIRST, SAMPLINGS[name])
+    whole = complete_many(busy_server, WHOLE_VOCAB, SAMPLINGS[name])
+    assert len(fast) == len(MANY) and all(len(tokens) == 24 for tokens in fast)
+    assert fast == whole
+    if SAMPLINGS[name]["temperature"] > 0:
+        # the prompts differ, and so do their draws: a server that gave every sequence one sequence's candidates
+        # would give them all the same tokens (greedy, the tiny model's random weights give every prompt one reply)
+        assert len({tuple(tokens) for tokens in fast}) > 1
