@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.localcloud import tinymodels
 from fleet.localcloud.llamaproc import llama_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 16
@@ -60,6 +66,7 @@ class Row:
     top_k_first: float  # the server's tokens a second over all streams, 0004's path
     whole_vocab: float  # the same over the whole vocabulary
     batched_bench: float  # llama-batched-bench's tokens a second over all sequences
+    one_thread: float | None = None  # top-k first with the server on one CPU thread (--one-thread): 0006 off
 
     @property
     def share_top_k_first(self) -> float:
@@ -119,30 +126,77 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
     ctx = most * (PROMPT_TOKENS * 4 + args.tokens + 64)
     flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
     rows = []
+    one_thread: dict[int, float] = {}
+    if args.one_thread:
+        # the same server on one CPU thread: patch 0006 selects the streams' candidates on -t threads, so this is
+        # 0004's serial selection in the same binary (on a card the pass itself needs no CPU thread)
+        single = [*shlex.split(args.flags), "-t", "1", "-tb", "1", "-np", str(most), "-c", str(ctx)]
+        with llama_server(bin_dir / "llama-server", model, *single, timeout_s=600) as url:
+            for n in streams:
+                runs = [asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)) for _ in range(args.repeats)]
+                one_thread[n] = statistics.median(runs)
+                print(f"  {name} at {n} streams, one thread: {one_thread[n]:.0f} tok/s", file=sys.stderr)
     with llama_server(bin_dir / "llama-server", model, *flags, timeout_s=600) as url:
         for n in streams:
             fast, whole = [], []
             for _ in range(args.repeats):  # the paths taken in turn: a drift of the machine falls on both
                 fast.append(asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)))
                 whole.append(asyncio.run(server_rate(url, n, args.tokens, WHOLE_VOCAB)))
-            rows.append(Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n]))
+            rows.append(
+                Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n], one_thread.get(n))
+            )
             print(
                 f"  {name} at {n} streams: {rows[-1].top_k_first:.0f} / {rows[-1].whole_vocab:.0f} tok/s",
                 file=sys.stderr,
             )
+        if args.stacks:
+            print(f"{name}: where the server's thread is at {most} streams, top-k first\n", file=sys.stderr)
+            print(busy_stacks(url, most, args.tokens, args.stacks).table(), file=sys.stderr)
     return rows
 
 
+def busy_stacks(url: str, streams: int, tokens: int, samples: int) -> stacks.Profile:
+    """The server's main thread sampled (bench/stacks.py) while `streams` requests at a time keep it busy."""
+    server = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _child_server(p))
+    done = threading.Event()
+
+    def keep_busy() -> None:
+        while not done.is_set():
+            asyncio.run(server_rate(url, streams, tokens, TOP_K_FIRST))
+
+    load = threading.Thread(target=keep_busy, daemon=True)
+    load.start()
+    try:
+        time.sleep(1.0)
+        return stacks.sample(int(server.name), samples)
+    finally:
+        done.set()
+        load.join()
+
+
+def _child_server(proc: Path) -> bool:
+    """Whether /proc/PID is a llama-server this process started (llamaproc.llama_server's child)."""
+    try:
+        stat = (proc / "stat").read_text()
+    except OSError:
+        return False
+    comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+    return comm == "llama-server" and int(fields[1]) == os.getpid()
+
+
 def table(rows: list[Row], title: str) -> str:
+    threads = any(r.one_thread for r in rows)
     lines = [
         title,
         "",
-        "| model | vocab | streams | whole vocab | top-k first | batched-bench | share before "
-        "| share after | after / before |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | vocab | streams | whole vocab | "
+        + ("top-k first, one thread | " if threads else "")
+        + "top-k first | batched-bench | share before | share after | after / before |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if threads else ""),
     ]
     for r in rows:
-        lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {r.top_k_first:.0f} | "
+        single = f"{r.one_thread:.0f} | " if threads and r.one_thread else ("- | " if threads else "")
+        lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {single}{r.top_k_first:.0f} | "
                      f"{r.batched_bench:.0f} | {r.share_whole_vocab:.2f} | {r.share_top_k_first:.2f} | "
                      f"{r.top_k_first / r.whole_vocab:.2f} |")  # fmt: skip
     return "\n".join(lines)
@@ -160,6 +214,17 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="flags for both programs, e.g. '-ngl 99 -fa on' on a card")
     parser.add_argument("--bin-dir", type=Path, help="llama-server and llama-batched-bench (default: this build)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="also the top-k first path with the server on one CPU thread (patch 0006 off)",
+    )
+    parser.add_argument(
+        "--stacks",
+        type=int,
+        default=0,
+        help="then sample the server's thread this many times at the most streams (gdb or cuda-gdb)",
+    )
     args = parser.parse_args()
     bin_dir = args.bin_dir or build()
     rows: list[Row] = []

@@ -433,13 +433,16 @@ def streams(only: list[str]) -> None:
                 "--n-vocab", str(n_vocab), "--flags", "-ngl 99 -fa on --cache-type-k f16 --cache-type-v f16",
                 "--bin-dir", str(Path(os.environ["FLEET_LLAMA_SERVER"]).parent), "--threads", "8",
                 "--streams", os.environ.get("STREAMS", "1,8,16,32,64"), "--tokens", "80",
-                "--repeats", os.environ.get("STREAM_REPEATS", "1"),
+                "--repeats", os.environ.get("STREAM_REPEATS", "1"), "--stacks", os.environ.get("STREAM_STACKS", "0"),
+                *(["--one-thread"] if os.environ.get("STREAM_ONE_THREAD") == "1" else []),
                 "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
         found = run_to_end(argv, timeout=600)
         (LOGS / f"streams-{name}.log").write_text(found.stderr)
         if found.returncode != 0:
             raise SystemExit(f"bench/server_decode.py failed: {found.stderr[-2000:]}")
         lines += [found.stdout, ""]
+        if "samples of the main thread" in found.stderr:  # STREAM_STACKS: where the server's thread was
+            lines += [found.stderr[found.stderr.index(f"{name}: where the server") :], ""]
         (OUT / "streams.md").write_text("\n".join(lines))  # a call cut off keeps what it measured
     print("\n".join(lines))
 
