@@ -184,6 +184,7 @@ class Context:
                 endpoint.url,
                 endpoint.api_key,
                 timeout_s=provider.request_timeout_s,
+                create_timeout_s=provider.create_timeout_s,
                 budget=InstallBudget(self.record, endpoint.url, provider.request_timeout_s),
                 rate_limited_wait_s=provider.rate_limited_wait_s,
             )

@@ -156,7 +156,7 @@ async def test_instance_lifecycle_list_label_billing_and_offer_hiding(api: httpx
     assert [i["id"] for i in listing["instances"]] == [instance_id]
     assert listing["next_token"] is None
 
-    credit_before = (await api.get("/api/v0/users/current")).json()["credit"]
+    credit_before = (await api.get("/api/v0/users/current")).json()["balance"]
     charges = (
         await api.get(
             "/api/v0/charges/",
@@ -175,8 +175,8 @@ async def test_instance_lifecycle_list_label_billing_and_offer_hiding(api: httpx
     ).json()
     closed = [c for c in charges["results"] if c["source"] == f"instance-{instance_id}"]
     assert len(closed) == 3 and not any(c["metadata"]["ongoing"] for c in closed)
-    credit_after = (await api.get("/api/v0/users/current")).json()["credit"]
-    later = (await api.get("/api/v0/users/current")).json()["credit"]
+    credit_after = (await api.get("/api/v0/users/current")).json()["balance"]
+    later = (await api.get("/api/v0/users/current")).json()["balance"]
     assert credit_after <= credit_before and later == credit_after  # billing stopped at destroy
     back = {
         o["id"]

@@ -398,6 +398,8 @@ async def test_the_first_ssh_connection_is_pinned_to_the_host_key_fleet_delivere
             # the platform made its own key at boot; fleet's, from the create call's onstart, replaced it
             assert (etc / "ssh_host_ed25519_key.pub").read_text().strip() == host.host_key
             assert "host key installed" in (etc.parent / "log" / "onstart.log").read_text()
+            # and it asked vast.ai's SSH runtype for no tmux around fleet's SSH sessions (SkyPilot's onstart too)
+            assert (etc.parent / "root" / ".no_auto_tmux").exists()
             conn, presented = await connect(host.ssh_host, host.ssh_port, fleet.ssh_key, host.host_key, 30)
             conn.close()
             assert presented == host.host_key

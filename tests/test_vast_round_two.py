@@ -191,7 +191,7 @@ async def test_credit_spent_mid_session_stops_the_host_and_blames_no_machine(clo
     async with fleet_for(settings_for(tmp_path, rotation={"unhealthy_after_sweeps": 1})) as fleet:
         [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
         async with cloud.client() as api:
-            spent = 100.0 - (await api.get("/api/v0/users/current")).json()["credit"]
+            spent = 100.0 - (await api.get("/api/v0/users/current")).json()["balance"]
         cloud.set_faults({"credit_usd": spent + 1e-6})  # what is left runs out in a moment
         try:
             deadline = time.monotonic() + 60
@@ -294,7 +294,7 @@ async def test_the_local_cloud_rents_nothing_once_the_credit_is_spent(cloud):
             r = await polite(api, "PUT", f"/api/v0/asks/{offer['id']}/", json={"image": "x", "disk": 20})
             assert r.status_code == 400 and r.json()["error"] == "insufficient_credit"
             user = (await polite(api, "GET", "/api/v0/users/current")).json()
-            assert user["credit"] < 0
+            assert user["balance"] < 0
             assert [i["id"] for i in await listed_instances(api)] == before  # nothing rented
     finally:
         cloud.set_faults({})

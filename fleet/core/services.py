@@ -41,6 +41,9 @@ class Provider(Strict):
     # How long one request to the marketplace may take. A create that times out is never sent again: its
     # instance, if any, is found by its label.
     request_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
+    # How long a create may take: vast.ai's SDK waits 120 s for any request. A create that gave up sooner finds
+    # its instance, if any, by its label after `timeouts.instance_visible`, having waited less than the SDK would.
+    create_timeout_s: Annotated[float, Field(gt=0, le=600)] = 120
     # how long one request waits out the marketplace's 429s (Retry-After honoured) before it fails; a bring-up
     # phase's own deadline ends the wait sooner, and blames no machine for it
     rate_limited_wait_s: Annotated[float, Field(gt=0, le=3600)] = 600

@@ -14,9 +14,10 @@ DELIMITER = "FLEET_HOST_KEY_END"
 
 
 def onstart(key: HostKey) -> str:
-    """The create call's onstart: the private key to fleet-host-key on its stdin (a here-document: on no
-    command line), which installs it and has sshd read it again."""
+    """The create call's onstart: no tmux around SSH sessions (vast.ai's SSH runtype wraps each login in tmux
+    unless ~/.no_auto_tmux exists, as SkyPilot's onstart also says), then the private key to fleet-host-key on
+    its stdin (a here-document: on no command line), which installs it and has sshd read it again."""
     body = key.private.strip()
     if DELIMITER in body:  # an OpenSSH key is base64 between two markers: this cannot be one
         raise ValueError("not an OpenSSH private key")
-    return f"fleet-host-key <<'{DELIMITER}'\n{body}\n{DELIMITER}\n"
+    return f"touch ~/.no_auto_tmux\nfleet-host-key <<'{DELIMITER}'\n{body}\n{DELIMITER}\n"

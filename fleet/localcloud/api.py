@@ -21,6 +21,7 @@ from fleet.localcloud.hub import Hub
 log = logging.getLogger("fleet.localcloud.api")
 
 PUBLIC_PATHS = ("/api/v0/bundles", "/api/v0/gpu_names/unique", "/api/v0/gpu_types")
+WRONG_KEY_404 = ("/api/v0/bundles", "/api/v0/invoices", "/api/v0/charges")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -131,6 +132,11 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     async def destroy(request: web.Request) -> web.Response:
         instance_id = _int_param(request, "id")
         await request.read()
+        if cloud.faults.destroy_refused > 0 and instance_id in cloud.state.instances:
+            cloud.faults.destroy_refused -= 1
+            return json_response(
+                {"success": False, "error": "destroy_failed", "msg": f"Instance {instance_id} could not be destroyed."}
+            )
         await cloud.destroy(instance_id)
         return json_response({"success": True, "msg": f"Instance {instance_id} destroyed."})
 
@@ -324,9 +330,11 @@ def _check_auth(request: web.Request, api_key: str, scoped: dict[str, list[str]]
     if secrets.compare_digest(key.encode(), api_key.encode()):
         return
     granted = next((perms for k, perms in scoped.items() if secrets.compare_digest(key.encode(), k.encode())), None)
-    if granted is None:
-        raise ApiError(401, "auth_error", "Invalid user key")
     route = _route(request)
+    if granted is None:
+        # the search, invoices and charges say so with a 404 (DOCS search_offers.yaml, show_invoices.yaml,
+        # show_charges.yaml), the rest with a 401 (show_instance.yaml)
+        raise ApiError(404 if route.startswith(WRONG_KEY_404) else 401, "auth_error", "Invalid user key")
     needed = PERMISSIONS.get((request.method, route)) or PERMISSIONS.get((request.method, route.rstrip("/") + "/"))
     if needed is not None and needed not in granted:
         raise ApiError(401, "permission_denied", f"This API key lacks the {needed} permission")

@@ -344,12 +344,14 @@ class Cloud(Power, SshKeys):
             )
 
     def user(self) -> dict[str, Any]:
+        # show_user.yaml's fields (id, key_id, email, balance, ssh_key, sid): no `credit`, which only the
+        # authentication guide's example shows; the credit left is the balance (the harder reading)
         return {
             "id": 1,
+            "key_id": 1,
             "username": "local",
             "email": "local@localcloud.invalid",
-            "credit": self.credit(),
-            "balance": 0.0,
+            "balance": self.credit(),
             "ssh_key": next((k["public_key"] for k in reversed(self.state.ssh_keys) if not k.get("deleted_at")), None),
             "host_agreement_accepted": False,
             "sid": None,

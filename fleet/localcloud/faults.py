@@ -92,6 +92,9 @@ class Faults:
     heartbeat_gap: dict[int, HeartbeatGap] = field(default_factory=dict)
     reprice_at_create: dict[int, float] = field(default_factory=dict)  # offer id -> factor on its GPU price
     create_error_with_contract: int = 0  # the next N creates answer an error naming the contract they made
+    # the next N destroys answer HTTP 200 with `success: false` and destroy nothing (dstack raises on such an
+    # answer unless its error is no_such_instance; the error's name here is ours)
+    destroy_refused: int = 0
     search_quota_left: int | None = None  # searches left today (None: the default quota)
     slow: SlowAnswer | None = None
     pull_stall: PullStall | None = None
@@ -149,6 +152,7 @@ class Faults:
             heartbeat_gap={int(k): HeartbeatGap(**v) for k, v in data.get("heartbeat_gap", {}).items()},
             reprice_at_create={int(k): float(v) for k, v in data.get("reprice_at_create", {}).items()},
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
+            destroy_refused=int(data.get("destroy_refused", 0)),
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
             slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,

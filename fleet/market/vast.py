@@ -63,6 +63,7 @@ class VastMarket:
         *,
         attempts: int = 8,
         timeout_s: float = 30.0,
+        create_timeout_s: float = 120.0,
         pacer: Pacer | None = None,
         budget: Budget | None = None,
         rate_limited_wait_s: float = 600.0,
@@ -71,6 +72,7 @@ class VastMarket:
         self._attempts = attempts
         self._budget = budget
         self._rate_limited_wait_s = rate_limited_wait_s
+        self._create_timeout_s = create_timeout_s
         self.pacer = pacer or shared_pacer(self.url, api_key)
         self._http = httpx.AsyncClient(
             base_url=self.url,
@@ -156,10 +158,11 @@ class VastMarket:
         # vast.ai's error bodies vary: some omit `success`, some `error`, some are not JSON at all. What an
         # error means is read from its status first and its words second; its shape never crashes us.
         msg = message(body) if body is not None else text_excerpt(response)
-        if status in (401, 403):
+        error = body.get("error") if isinstance(body, dict) else None
+        # the search, invoices and charges answer a wrong key with a 404 (DOCS search_offers.yaml), not a 401
+        if status in (401, 403) or (status == 404 and error == "auth_error"):
             raise AuthError(f"the marketplace refused the API key: {msg}")
         if status >= 400:
-            error = body.get("error") if isinstance(body, dict) else None
             if error == "no_such_ask" or "no_such_ask" in msg:
                 raise OfferGone(msg)
             if status == 404 or error in ("no_such_instance", "not_found"):
@@ -234,12 +237,27 @@ class VastMarket:
             "runtype": RUNTYPE,
             "price": None,
             "cancel_unavail": True,
+            # what vast.ai's SDK and CLI always send beside them (build_create_instance_payload), at their defaults
+            "extra": None,
+            "python_utf8": False,
+            "lang_utf8": False,
+            "use_jupyter_lab": False,
+            "jupyter_dir": None,
+            "force": False,
+            "template_hash_id": None,
+            "user": None,
         }
         if spec.image_login:
             body["image_login"] = spec.image_login
         # A create that may have been processed is never retried: a retry can buy twice.
         answer = await self._request(
-            "create", "PUT", f"/api/v0/asks/{offer_id}/", json=body, retry_ambiguous=False, on_sent=on_sent
+            "create",
+            "PUT",
+            f"/api/v0/asks/{offer_id}/",
+            json=body,
+            retry_ambiguous=False,
+            on_sent=on_sent,
+            timeout=self._create_timeout_s,
         )
         if not isinstance(answer, dict):
             raise MarketError(f"create answered {str(answer)[:200]!r}")
@@ -337,13 +355,15 @@ class VastMarket:
         return found
 
     async def credit(self) -> float | None:
-        """The account's available credit in $ (`users/current`'s `credit`: "The credit field shows your
-        available balance"); None when the answer does not say."""
+        """The account's available credit in $: `users/current`'s `credit` ("The credit field shows your available
+        balance", DOCS authentication.mdx), else its `balance` (the field show_user.yaml documents, `credit` not
+        among them); None when the answer says neither."""
         answer = await self._request("user", "GET", "/api/v0/users/current/")
-        value = answer.get("credit") if isinstance(answer, dict) else None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            return None
-        return float(value)
+        for field in ("credit", "balance"):
+            value = answer.get(field) if isinstance(answer, dict) else None
+            if not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value):
+                return float(value)
+        return None
 
     async def account_env_names(self) -> list[str] | None:
         """GET /secrets/ answers {"secrets": {NAME: VALUE}} (vast-cli's `show env-vars`), the values in clear:
@@ -358,10 +378,16 @@ class VastMarket:
         return sorted(name[:64] for name in list(found)[:200] if isinstance(name, str) and name.isprintable())
 
     async def destroy(self, instance_id: int) -> None:
+        """Destroy; an instance already gone is destroyed. An answer of `success: false` (HTTP 200) is a refusal
+        unless its error says there is no such instance (dstack reads it so): the instance may still bill."""
         try:
-            await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
+            answer = await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
         except NotFound:
             return
+        if isinstance(answer, dict) and answer.get("success") is False:
+            if answer.get("error") in ("no_such_instance", "not_found"):
+                return
+            raise MarketError(f"instance {instance_id}: destroy refused: {message(answer)}")
 
     async def stop(self, instance_id: int) -> None:
         await self._set_state(instance_id, "stopped")

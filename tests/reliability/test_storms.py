@@ -16,7 +16,7 @@ API = ["/api/v0/", "/api/v1/"]
 
 def test_a_storm_of_429s_5xx_and_a_late_create_still_brings_up_three(fresh_cloud, tmp_path):
     cloud = fresh_cloud
-    write_config(tmp_path, provider={"request_timeout_s": 3}, timeouts={"instance_visible": 10})
+    write_config(tmp_path, provider={"request_timeout_s": 3, "create_timeout_s": 3}, timeouts={"instance_visible": 10})
     cloud.set_faults(
         {
             "rate_limit": {"share": 0.15, "paths": API},

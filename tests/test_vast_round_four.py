@@ -1,0 +1,68 @@
+"""vast.ai as it really is, round four (issue 46), on the strict local cloud: a wrong key that the search
+answers with a 404, a destroy answered `success: false`, an account whose answer names its `balance` and no
+`credit`, and the create call's body as vast.ai's own SDK sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from fleet.market import AuthError, MarketError
+from fleet.market.vast import VastMarket
+from fleet.market.watch import InstanceWatch
+from tests.fleetkit import fleet_for, settings_for
+from tests.helpers import cheapest_offer, polite, rent
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
+
+
+async def test_a_wrong_key_is_a_key_problem_on_the_search_that_answers_it_with_a_404(cloud, tmp_path):
+    async with cloud.client() as api:
+        r = await api.post("/api/v0/bundles/", json={"limit": 1}, headers={"Authorization": "Bearer wrong"})
+        assert (r.status_code, r.json()["error"], r.json()["msg"]) == (404, "auth_error", "Invalid user key")
+        r = await api.get("/api/v0/users/current", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401  # the rest answer a 401, as show_instance.yaml says
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        await fleet.watch.close()
+        await fleet.market.close()
+        fleet.market = VastMarket(fleet.market.url, "wrong")
+        fleet.watch = InstanceWatch(fleet.market)
+        with pytest.raises(AuthError, match="refused the API key: Invalid user key"):
+            await fleet.offers("tiny", "eu")
+        with pytest.raises(AuthError):
+            await fleet.market.credit()
+
+
+async def test_a_destroy_answered_success_false_is_a_refusal_and_the_instance_stays(cloud, tmp_path):
+    async with cloud.client() as api:
+        offer = await cheapest_offer(api)
+        instance_id = await rent(api, offer["id"], label="fleet-test:refused")
+    cloud.set_faults({"destroy_refused": 1})
+    try:
+        async with fleet_for(settings_for(tmp_path)) as fleet:
+            deadline = time.monotonic() + 30
+            while await fleet.market.get(instance_id) is None:  # reads lag a create
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.5)
+            with pytest.raises(MarketError, match=f"instance {instance_id}: destroy refused: .*could not be destroyed"):
+                await fleet.market.destroy(instance_id)
+            assert await fleet.market.get(instance_id) is not None  # it is there, and bills
+            await fleet.market.destroy(instance_id)  # the next one is done
+            assert await fleet.market.get(instance_id) is None
+            await fleet.market.destroy(instance_id)  # and one of an instance already gone is too
+    finally:
+        cloud.set_faults({})
+
+
+async def test_the_credit_is_read_from_the_balance_when_the_answer_names_no_credit(cloud, tmp_path):
+    async with cloud.client() as api:
+        user = (await polite(api, "GET", "/api/v0/users/current")).json()
+    assert "credit" not in user and user["balance"] > 0  # show_user.yaml's fields
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        credit = await fleet.market.credit()
+    assert credit is not None and abs(credit - user["balance"]) < 0.01
