@@ -12,7 +12,7 @@ import sys
 import typer
 from typer.exceptions import Abort, Exit, TyperException
 
-from fleet.cli import cloud, gateway, hosts, measure, offers, rotation
+from fleet.cli import cloud, doctor, gateway, hosts, measure, offers, rotation
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Keep rented GPU hosts serving llama-server.")
 cloud_app = typer.Typer(no_args_is_help=True, help="The local cloud: a vast.ai-compatible marketplace on this machine.")
@@ -36,6 +36,7 @@ COMMANDS = {
     "reprice": rotation.reprice_cmd,
     "daemon": rotation.daemon_cmd,
     "reconcile": rotation.reconcile_cmd,
+    "doctor": doctor.doctor_cmd,
 }
 for name, command in COMMANDS.items():
     app.command(name)(command)

@@ -150,6 +150,19 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
             410,
         )
 
+    async def request_logs(request: web.Request) -> web.Response:
+        instance_id = _int_param(request, "id")
+        await request.read()
+        token = cloud.request_logs(instance_id)
+        return json_response({"success": True, "result_url": f"{request.url.origin()}/logs/{token}"})
+
+    async def log_text(request: web.Request) -> web.Response:
+        # another server's URL on vast.ai (a bucket's), read without the API key
+        text = cloud.log_text(request.match_info["token"])
+        if text is None:
+            return web.Response(status=404, text="NoSuchKey", content_type="text/plain")
+        return web.Response(text=text, content_type="text/plain")
+
     async def user(request: web.Request) -> web.Response:
         return json_response(cloud.user())
 
@@ -272,6 +285,8 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
     both("POST", "/api/v0/ssh/", ssh_add)
     both("DELETE", "/api/v0/ssh/{id}/", ssh_delete)
     both("POST", "/api/v0/instances/{id}/ssh/", ssh_attach)
+    both("PUT", "/api/v0/instances/request_logs/{id}/", request_logs)
+    r.add_route("GET", "/logs/{token}", log_text)
     both("GET", "/api/v0/gpu_names/unique/", gpu_names)
     r.add_get("/health", health)  # the local cloud's own liveness, outside the faulted API
     both("GET", "/admin/faults", admin_faults_get)
@@ -307,6 +322,7 @@ PERMISSIONS = {
     ("PUT", "/api/v0/instances/{id}/"): "instance_write",
     ("DELETE", "/api/v0/instances/{id}/"): "instance_write",
     ("POST", "/api/v0/instances/{id}/ssh/"): "instance_write",
+    ("PUT", "/api/v0/instances/request_logs/{id}/"): "instance_read",
     ("GET", "/api/v0/users/current"): "user_read",
     ("GET", "/api/v0/ssh/"): "user_read",
     ("GET", "/api/v0/secrets/"): "user_read",

@@ -84,6 +84,8 @@ def search(
         raise query.QueryError("allocated_storage must be a number") from None
     filters = {k: v for k, v in body.items() if k not in query.CONTROL_KEYS}
     query.validate_filters(filters)
+    # vast.ai's backend does not filter by `rented` at all (vast-cli 52b515c): it is checked, then ignored
+    filters.pop("rented", None)
     order = query.parse_order(body.get("order"))
     limit = query.parse_limit(body.get("limit"))
 

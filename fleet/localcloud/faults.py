@@ -95,6 +95,8 @@ class Faults:
     # the next N destroys answer HTTP 200 with `success: false` and destroy nothing (dstack raises on such an
     # answer unless its error is no_such_instance; the error's name here is ours)
     destroy_refused: int = 0
+    # request_logs' answer holds what the create call's onstart printed (no source says whether vast.ai's does)
+    onstart_in_logs: bool = False
     search_quota_left: int | None = None  # searches left today (None: the default quota)
     slow: SlowAnswer | None = None
     pull_stall: PullStall | None = None
@@ -153,6 +155,7 @@ class Faults:
             reprice_at_create={int(k): float(v) for k, v in data.get("reprice_at_create", {}).items()},
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
             destroy_refused=int(data.get("destroy_refused", 0)),
+            onstart_in_logs=bool(data.get("onstart_in_logs", False)),
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
             slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ log = logging.getLogger("fleet.market")
 
 PAGE = 25  # vast.ai's most rows per listing page
 RUNTYPE = "ssh_direc ssh_proxy"  # the platform starts sshd with the account's keys; 22 mapped directly too
+LOG_BYTES = 1 << 20  # the most of an instance's logs read (fleet doctor --live looks for one line)
 
 
 class VastMarket:
@@ -363,6 +365,52 @@ class VastMarket:
             value = answer.get(field) if isinstance(answer, dict) else None
             if not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value):
                 return float(value)
+        return None
+
+    async def account_fields(self) -> list[str]:
+        """The names of the fields `users/current` answers (`fleet doctor --live`): names only, never a value (the
+        answer can carry keys)."""
+        answer = await self._request("user", "GET", "/api/v0/users/current/")
+        if not isinstance(answer, dict):
+            return []
+        return sorted(name[:64] for name in list(answer)[:200] if isinstance(name, str) and name.isprintable())
+
+    async def rented_filter_applies(self) -> bool | None:
+        """Whether the search filters on `rented` (vast-cli 52b515c: "backend doesnt filter by rented at all"):
+        asked for rented offers alone, does it answer any that is not? None when it answers none at all."""
+        body = {"rented": {"eq": True}, "type": "on-demand", "limit": 64, "order": [["dph_total", "asc"]]}
+        answer = await self._request("search", "POST", "/api/v0/bundles/", json=body)
+        offers = answer.get("offers") if isinstance(answer, dict) else None
+        rows = [o for o in offers if isinstance(o, dict)] if isinstance(offers, list) else []
+        if not rows:
+            return None
+        return all(o.get("rented") is True for o in rows)
+
+    async def logs(self, instance_id: int, tail: int = 200, wait_s: float = 30.0) -> str | None:
+        """The tail of an instance's logs (vast-cli `logs`: PUT request_logs answers a `result_url`, fetched
+        without the API key until it is ready); None when it never is. The URL is another server's: fleet's key
+        never goes there, and at most LOG_BYTES of its answer are read."""
+        answer = await self._request(
+            "manage", "PUT", f"/api/v0/instances/request_logs/{instance_id}/", json={"tail": str(tail)}
+        )
+        url = answer.get("result_url") if isinstance(answer, dict) else None
+        if not isinstance(url, str) or not url.startswith(("https://", "http://")):
+            return None
+        deadline = time.monotonic() + wait_s
+        async with httpx.AsyncClient(timeout=10.0, follow_redirects=False) as anonymous:
+            while time.monotonic() < deadline:
+                try:
+                    async with anonymous.stream("GET", url) as response:
+                        if response.status_code == 200:
+                            body = b""
+                            async for chunk in response.aiter_bytes():
+                                body += chunk
+                                if len(body) >= LOG_BYTES:
+                                    break
+                            return body[:LOG_BYTES].decode("utf-8", "replace")
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(1.0)
         return None
 
     async def account_env_names(self) -> list[str] | None:

@@ -1,0 +1,224 @@
+"""`fleet doctor --live`: what no source settles about vast.ai, read once with the user's own key.
+
+fleet's readings of vast.ai come from its documents, its CLI and SDK, and other projects' code
+(docs/vast-fidelity.md); where those disagree or say nothing, fleet takes the harder reading. This check asks
+the marketplace itself: it reads the account's answer, the search's `rented` filter and the maintenance
+windows as a renter, then rents the cheapest offer it can afford within the budget, with the image fleet
+boots, and watches it: how long a new instance's reads lag its create, whether an SSH key attaches at once,
+what `status_msg` says of a digest-pinned image, which statuses the listing shows, and whether the create
+call's onstart output reaches the instance's logs. The instance is destroyed on every path, Ctrl-C included,
+and the report says what it cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+from fleet.context import Context
+from fleet.core.errors import BadInput
+from fleet.engines.registry import engine_of
+from fleet.host.bringup import image_login
+from fleet.market import InstanceSpec, MarketError, Offer, OfferQuery
+from fleet.market.vast import NotFound
+
+LABEL = "fleet-doctor"
+MARKER = "FLEET_DOCTOR_ONSTART"
+WATCH_MAX_S = 900.0  # the longest an instance is held, whatever the budget allows
+DISK_GB = 16.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    name: str
+    assumption: str  # what fleet assumes, in a line
+    held: bool | None  # None: the run could not tell
+    seen: str  # what the marketplace did
+
+    def line(self) -> str:
+        verdict = {True: "held", False: "DID NOT HOLD", None: "unknown"}[self.held]
+        return f"{self.name}: {verdict}: {self.seen}"
+
+
+@dataclass
+class DoctorReport:
+    findings: list[Finding] = field(default_factory=list)
+    offer_id: int | None = None
+    instance_id: int | None = None
+    held_s: float = 0.0
+    cost_usd: float = 0.0  # at most: the offer's $/h over the time the instance existed, its disk included
+    destroyed: bool = True
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "findings": [asdict(f) for f in self.findings]}
+
+
+async def live(ctx: Context, budget_usd: float, profile_name: str) -> DoctorReport:
+    """Every check, the rental's last; the instance it made is destroyed before this returns or raises."""
+    if not math.isfinite(budget_usd) or budget_usd <= 0:
+        raise BadInput("--budget-usd must be a positive number of dollars")
+    profile = ctx.settings.profile(profile_name)
+    report = DoctorReport()
+    report.findings.append(await _account(ctx))
+    report.findings.append(await _rented_filter(ctx))
+    countries = sorted({c for region in ctx.settings.regions.values() for c in region})
+    query = OfferQuery(countries, limit=64, allocated_disk_gb=DISK_GB, cpu_arch=ctx.settings.provider.image_arch)
+    offers = await ctx.market.search(query)
+    report.findings.append(await _maintenances(ctx, [o.machine_id for o in offers][:20]))
+    offer = _affordable(offers, budget_usd)
+    if offer is None:
+        cheapest = min((o.dph_total for o in offers), default=None)
+        least = "none" if cheapest is None else f"${cheapest:.3f}/h"
+        seen = f"no offer affordable for 5 minutes within ${budget_usd:.2f} (cheapest: {least})"
+        report.findings.append(Finding("rental", "an instance can be rented and watched", None, seen))
+        return report
+    report.offer_id = offer.id
+    watch_s = min(WATCH_MAX_S, budget_usd / offer.dph_total * 3600.0)
+    image = engine_of(profile).image(ctx.settings.provider)
+    await _rent_and_watch(ctx, report, offer, image, watch_s)
+    return report
+
+
+def _affordable(offers: list[Offer], budget_usd: float) -> Offer | None:
+    """The cheapest offer whose five minutes fit the budget."""
+    fits = [o for o in offers if o.dph_total > 0 and o.dph_total * 5 / 60 <= budget_usd]
+    return min(fits, key=lambda o: o.dph_total, default=None)
+
+
+async def _account(ctx: Context) -> Finding:
+    fields = await ctx.market.account_fields()
+    named = [f for f in ("credit", "balance") if f in fields]
+    return Finding(
+        "account_credit",
+        "users/current names the credit left as `credit`, else `balance`",
+        bool(named),
+        f"fields: {', '.join(fields) or 'none'}",
+    )
+
+
+async def _rented_filter(ctx: Context) -> Finding:
+    applies = await ctx.market.rented_filter_applies()
+    seen = {
+        True: "every offer answered for rented=true was rented",
+        False: "offers not rented were answered",
+        None: "no offer answered",
+    }[applies]
+    # fleet never relies on it (it asks rentable=true as well): the reading is recorded
+    held = None if applies is None else not applies
+    return Finding("search_rented_filter", "the search ignores `rented` (fleet asks `rentable` too)", held, seen)
+
+
+async def _maintenances(ctx: Context, machine_ids: list[int]) -> Finding:
+    windows = await ctx.market.maintenances(sorted(set(machine_ids))) if machine_ids else None
+    seen = "refused or unreadable: fleet goes on without them" if windows is None else f"answered {len(windows)}"
+    return Finding("maintenances_as_renter", "a renter's key may not read maintenance windows", windows is None, seen)
+
+
+async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, image: str, watch_s: float) -> None:
+    token = secrets.token_hex(8)
+    spec = InstanceSpec(
+        image=image,
+        disk_gb=DISK_GB,
+        label=f"{LABEL}:{token}",
+        env={},
+        ports=[],
+        onstart=f"echo {MARKER} {token}\n",
+        image_login=image_login(ctx.settings.provider),
+    )
+    ctx.reporter.info(LABEL, f"renting offer {offer.id} (${offer.dph_total:.3f}/h) for at most {watch_s:.0f} s")
+    created = time.monotonic()
+    instance_id = await ctx.market.create(offer.id, spec)
+    report.instance_id = instance_id
+    report.destroyed = False
+    try:
+        await _watch(ctx, report, instance_id, token, watch_s)
+    finally:
+        await asyncio.shield(_destroy(ctx, report, instance_id, created, offer))
+
+
+async def _watch(ctx: Context, report: DoctorReport, instance_id: int, token: str, watch_s: float) -> None:
+    started = time.monotonic()
+    try:
+        await ctx.market.attach_ssh_key(instance_id, ctx.ssh_key.public)
+        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", True, "attached")
+    except NotFound as e:
+        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", True,
+                         f"not found yet: {e}"[:200])  # fmt: skip
+    except MarketError as e:
+        said = f"{type(e).__name__}: {e}"[:200]
+        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", False, said)
+    report.findings.append(attach)
+    visible_s: float | None = None
+    statuses: list[str] = []
+    messages: list[str] = []
+    running = False
+    deadline = started + watch_s
+    while time.monotonic() < deadline:
+        instance = await ctx.market.get(instance_id)
+        if instance is not None:
+            if visible_s is None:
+                visible_s = time.monotonic() - started
+            status = instance.status or "null"
+            if status not in statuses:
+                statuses.append(status)
+            if instance.status_msg and instance.status_msg not in messages:
+                messages.append(instance.status_msg[:200])
+            if status == "running":
+                running = True
+                break
+            if instance.image_error() or instance.boot_error() or instance.down:
+                break
+        await asyncio.sleep(3.0)
+    lag = "never readable" if visible_s is None else f"readable after {visible_s:.1f} s"
+    report.findings.append(
+        Finding("reads_lag_create", "a new instance may be unreadable after its create", visible_s is not None, lag)
+    )
+    path = " -> ".join(statuses) or "none"
+    said = " | ".join(messages) or "none"
+    report.findings.append(
+        Finding(
+            "image_pulls",
+            "the image, pinned as fleet pins it, pulls and runs",
+            running,
+            f"statuses {path}; status_msg: {said}"[:400],
+        )
+    )
+    report.findings.append(
+        Finding(
+            "listing_offline",
+            "a running instance may read `offline` or `unknown` for a while",
+            None,
+            f"statuses seen: {', '.join(statuses) or 'none'}",
+        )
+    )
+    logs_finding = "onstart's output reaches the instance's logs (a channel for a host's key)"
+    if not running:
+        report.findings.append(Finding("onstart_in_logs", logs_finding, None, "the instance never ran"))
+        return
+    await asyncio.sleep(5.0)  # onstart runs once the container is up
+    text = await ctx.market.logs(instance_id)
+    found = text is not None and f"{MARKER} {token}" in text
+    seen = "no logs answered" if text is None else ("the marker is there" if found else "the marker is not there")
+    report.findings.append(Finding("onstart_in_logs", logs_finding, None if text is None else found, seen))
+
+
+async def _destroy(ctx: Context, report: DoctorReport, instance_id: int, created: float, offer: Offer) -> None:
+    """Destroy, confirm the instance gone, and count what it cost at most."""
+    deadline = time.monotonic() + 120.0
+    while True:
+        try:
+            await ctx.market.destroy(instance_id)
+            if await ctx.market.get(instance_id) is None:
+                report.destroyed = True
+                break
+        except MarketError as e:
+            ctx.reporter.info(LABEL, f"destroy of instance {instance_id}: {e}; trying again")
+        if time.monotonic() > deadline:
+            ctx.reporter.info(LABEL, f"instance {instance_id} NOT confirmed destroyed: destroy it by hand")
+            break
+        await asyncio.sleep(3.0)
+    report.held_s = time.monotonic() - created
+    report.cost_usd = offer.dph_total * report.held_s / 3600.0

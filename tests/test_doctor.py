@@ -1,0 +1,122 @@
+"""`fleet doctor --live` as a user runs it, against the local cloud in each of its readings: it reads the account,
+the search's `rented` filter and the maintenance windows, rents the cheapest affordable offer with fleet's image,
+watches it, reads its logs for its onstart's line, destroys it and says what it cost. A reading the local cloud
+takes one way by default (the harder one) is turned by a fault, so each branch of the report is seen."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleet.engines import registry
+from tests.fleetkit import cli_env
+from tests.helpers import listed_instances
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
+
+
+def fleet(env, *args):
+    argv = [sys.executable, "-m", "fleet.cli", "doctor", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def findings(result) -> dict[str, dict]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["destroyed"] is True and report["instance_id"] is not None and report["cost_usd"] > 0
+    return {f["name"]: f for f in report["findings"]}
+
+
+async def doctors_left(cloud) -> list[dict]:
+    async with cloud.client() as api:
+        return [i for i in await listed_instances(api) if (i.get("label") or "").startswith("fleet-doctor:")]
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((), "pass --live"),
+        (("--live", "--budget-usd", "0", "--yes"), "--budget-usd must be a positive"),
+        (("--live", "--budget-usd", "nan", "--yes"), "--budget-usd must be a positive"),
+        (("--live", "--model", "nope", "--yes"), "no model 'nope'"),
+        (("--live",), "--json needs --yes"),
+    ],
+)
+async def test_bad_input_is_one_line_and_exit_2_and_rents_nothing(cloud, tmp_path, args, error):
+    result = fleet(cli_env(cloud, tmp_path), *args, "--json")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert error in json.loads(result.stdout)["error"]
+    assert await doctors_left(cloud) == []
+
+
+async def test_the_local_clouds_default_readings_are_reported_and_the_rental_is_destroyed(cloud, tmp_path):
+    found = findings(fleet(cli_env(cloud, tmp_path), "--live", "--yes", "--json", "--model", "tiny"))
+    assert found["account_credit"]["held"] is True and "balance" in found["account_credit"]["seen"]
+    assert found["search_rented_filter"]["held"] is True  # ignored, as vast.ai's backend does
+    assert found["maintenances_as_renter"]["held"] is True  # a renter's key is refused
+    assert found["attach_key_after_create"]["held"] is True
+    assert found["reads_lag_create"]["held"] is True and "readable after" in found["reads_lag_create"]["seen"]
+    assert found["image_pulls"]["held"] is True and "running" in found["image_pulls"]["seen"]
+    # onstart's output is not in the logs unless a fault says so: the harder reading for a host key's channel
+    assert (found["onstart_in_logs"]["held"], found["onstart_in_logs"]["seen"]) == (False, "the marker is not there")
+    assert await doctors_left(cloud) == []
+
+
+async def test_the_other_readings_turn_their_findings(cloud, tmp_path):
+    env = cli_env(cloud, tmp_path)  # clears the faults: set them after
+    cloud.set_faults({"renter_reads_maintenances": True, "onstart_in_logs": True})
+    try:
+        found = findings(fleet(env, "--live", "--yes", "--json", "--model", "tiny"))
+    finally:
+        cloud.set_faults({})
+    assert found["maintenances_as_renter"]["held"] is False and "answered" in found["maintenances_as_renter"]["seen"]
+    assert (found["onstart_in_logs"]["held"], found["onstart_in_logs"]["seen"]) == (True, "the marker is there")
+    assert await doctors_left(cloud) == []
+
+
+async def test_an_image_that_does_not_pull_is_reported_with_the_daemons_words_and_destroyed(cloud, tmp_path):
+    env = cli_env(cloud, tmp_path)
+    cloud.set_faults({"missing_images": [registry.load(env["FLEET_CONFIG"]).provider.image]})
+    try:
+        found = findings(fleet(env, "--live", "--yes", "--json", "--model", "tiny"))
+    finally:
+        cloud.set_faults({})
+    assert found["image_pulls"]["held"] is False and "manifest" in found["image_pulls"]["seen"]
+    assert found["onstart_in_logs"]["held"] is None
+    assert await doctors_left(cloud) == []
+
+
+async def test_ctrl_c_while_it_watches_destroys_the_rental(cloud, tmp_path):
+    env = cli_env(cloud, tmp_path)
+    async with cloud.client() as api:
+        machines = [o["machine_id"] for o in (await api.post("/api/v0/bundles/", json={"limit": 500})).json()["offers"]]
+    cloud.set_faults({"stuck_loading": machines})  # it never runs: the doctor watches until it is stopped
+    argv = [sys.executable, "-m", "fleet.cli", "doctor", "--live", "--yes", "--model", "tiny"]
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not await doctors_left(cloud):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        cloud.set_faults({})
+    assert process.returncode != 0
+    assert "interrupted" in err
+    deadline = time.monotonic() + 30
+    while await doctors_left(cloud):  # the destroy was sent before it exited; reads may lag it
+        assert time.monotonic() < deadline, "the doctor's instance outlived its Ctrl-C"
+        await asyncio.sleep(1.0)
