@@ -18,7 +18,8 @@ over all sequences, and the server's share of it. Target (issue 43): >= 0.85 at 
 this CPU the pass itself is slow, so the share reads higher than on a card, and the ratio between the paths is
 what the patch changes.
 
-Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2] [--json FILE]
+Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2] [--serial-sampling]
+       [--stacks N] [--json FILE]
 Builds what is missing (scripts/build-llama-server builds llama-batched-bench beside llama-server). On a card
 (bench/gpu/run streams): --model-file GGUF --flags '-ngl 99 -fa on' --bin-dir the CUDA build's bin.
 """
@@ -66,7 +67,7 @@ class Row:
     top_k_first: float  # the server's tokens a second over all streams, 0004's path
     whole_vocab: float  # the same over the whole vocabulary
     batched_bench: float  # llama-batched-bench's tokens a second over all sequences
-    one_thread: float | None = None  # top-k first with the server on one CPU thread (--one-thread): 0006 off
+    serial: float | None = None  # top-k first, the streams' candidates selected one after another (0006 off)
 
     @property
     def share_top_k_first(self) -> float:
@@ -126,16 +127,15 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
     ctx = most * (PROMPT_TOKENS * 4 + args.tokens + 64)
     flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
     rows = []
-    one_thread: dict[int, float] = {}
-    if args.one_thread:
-        # the same server on one CPU thread: patch 0006 selects the streams' candidates on -t threads, so this is
-        # 0004's serial selection in the same binary (on a card the pass itself needs no CPU thread)
-        single = [*shlex.split(args.flags), "-t", "1", "-tb", "1", "-np", str(most), "-c", str(ctx)]
-        with llama_server(bin_dir / "llama-server", model, *single, timeout_s=600) as url:
+    serial: dict[int, float] = {}
+    if args.serial_sampling:
+        # the same server with --threads-sampling 1: patch 0006's selection of every stream's candidates at once
+        # off (0004's selection, one stream after another, in the same binary)
+        with llama_server(bin_dir / "llama-server", model, *flags, "--threads-sampling", "1", timeout_s=600) as url:
             for n in streams:
                 runs = [asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)) for _ in range(args.repeats)]
-                one_thread[n] = statistics.median(runs)
-                print(f"  {name} at {n} streams, one thread: {one_thread[n]:.0f} tok/s", file=sys.stderr)
+                serial[n] = statistics.median(runs)
+                print(f"  {name} at {n} streams, serial: {serial[n]:.0f} tok/s", file=sys.stderr)
     with llama_server(bin_dir / "llama-server", model, *flags, timeout_s=600) as url:
         for n in streams:
             fast, whole = [], []
@@ -143,7 +143,7 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
                 fast.append(asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)))
                 whole.append(asyncio.run(server_rate(url, n, args.tokens, WHOLE_VOCAB)))
             rows.append(
-                Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n], one_thread.get(n))
+                Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n], serial.get(n))
             )
             print(
                 f"  {name} at {n} streams: {rows[-1].top_k_first:.0f} / {rows[-1].whole_vocab:.0f} tok/s",
@@ -185,20 +185,22 @@ def _child_server(proc: Path) -> bool:
 
 
 def table(rows: list[Row], title: str) -> str:
-    threads = any(r.one_thread for r in rows)
+    serial = any(r.serial for r in rows)
     lines = [
         title,
         "",
         "| model | vocab | streams | whole vocab | "
-        + ("top-k first, one thread | " if threads else "")
-        + "top-k first | batched-bench | share before | share after | after / before |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if threads else ""),
+        + ("top-k first, serial | " if serial else "")
+        + "top-k first | batched-bench | share before | share after | after / before |"
+        + (" at once / serial |" if serial else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if serial else ""),
     ]
     for r in rows:
-        single = f"{r.one_thread:.0f} | " if threads and r.one_thread else ("- | " if threads else "")
-        lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {single}{r.top_k_first:.0f} | "
+        one = (f"{r.serial:.0f} | " if r.serial else "- | ") if serial else ""
+        gain = (f" {r.top_k_first / r.serial:.2f} |" if r.serial else " - |") if serial else ""
+        lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {one}{r.top_k_first:.0f} | "
                      f"{r.batched_bench:.0f} | {r.share_whole_vocab:.2f} | {r.share_top_k_first:.2f} | "
-                     f"{r.top_k_first / r.whole_vocab:.2f} |")  # fmt: skip
+                     f"{r.top_k_first / r.whole_vocab:.2f} |{gain}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -215,9 +217,9 @@ def main() -> None:
     parser.add_argument("--bin-dir", type=Path, help="llama-server and llama-batched-bench (default: this build)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument(
-        "--one-thread",
+        "--serial-sampling",
         action="store_true",
-        help="also the top-k first path with the server on one CPU thread (patch 0006 off)",
+        help="also the top-k first path with --threads-sampling 1 (patch 0006 off, the same binary)",
     )
     parser.add_argument(
         "--stacks",

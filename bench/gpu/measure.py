@@ -25,6 +25,7 @@ Writes everything under $OUT and prints a markdown table last. Needs: the enviro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -434,7 +435,7 @@ def streams(only: list[str]) -> None:
                 "--bin-dir", str(Path(os.environ["FLEET_LLAMA_SERVER"]).parent), "--threads", "8",
                 "--streams", os.environ.get("STREAMS", "1,8,16,32,64"), "--tokens", "80",
                 "--repeats", os.environ.get("STREAM_REPEATS", "1"), "--stacks", os.environ.get("STREAM_STACKS", "0"),
-                *(["--one-thread"] if os.environ.get("STREAM_ONE_THREAD") == "1" else []),
+                *(["--serial-sampling"] if os.environ.get("STREAM_SERIAL") == "1" else []),
                 "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
         found = run_to_end(argv, timeout=600)
         (LOGS / f"streams-{name}.log").write_text(found.stderr)
@@ -655,7 +656,7 @@ def calls() -> None:
         def keep_calls(rows: dict) -> None:
             (OUT / "calls.json").write_text(json.dumps({**rows, "up_s": seconds}, indent=1))
 
-        rows = served.calls(host, levels, speakers, CALLS_TURNS, CALLS_TOKENS, keep_calls)
+        rows = asyncio.run(served.calls(host, levels, speakers, CALLS_TURNS, CALLS_TOKENS, keep_calls))
         rows["up_s"] = seconds
         keep_calls(rows)
         text = calls_table(rows, profile.voice)

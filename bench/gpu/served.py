@@ -85,7 +85,7 @@ async def _through_gateway(host_name: str, most: int) -> dict[str, list[dict[str
         return rows
 
 
-def calls(
+async def calls(
     host_name: str,
     levels: list[int],
     speakers: list[int],
@@ -99,17 +99,6 @@ def calls(
     on both paths, for the gateway's added first content and its throughput ratio. Levels past the host's
     slots are left out: a call beyond them shares a slot and loses its cache. `keep` gets the rows so far after
     every level: a run cut by the machine's limit still brings back the levels it finished."""
-    return asyncio.run(_calls(host_name, levels, speakers, turns, max_tokens, keep))
-
-
-async def _calls(
-    host_name: str,
-    levels: list[int],
-    speakers: list[int],
-    turns: int,
-    max_tokens: int,
-    keep: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
     async with open_fleet(registry.load()) as fleet:
         host = fleet.record.hosts(names=[host_name])[0]
         profile = fleet.settings.profile(host.model)
