@@ -267,3 +267,20 @@ def test_up_refuses_a_template_that_breaks_the_cache_in_one_line_and_rents_nothi
     assert "tiny-rewrite: its chat template (the model file's header) breaks the prompt cache: whitespace" in line
     assert cloud.state()["instances"] == {}
     assert json.loads(fleet(env, "status", "--json").stdout) == []
+
+
+def test_a_disk_too_small_for_the_image_and_the_weights_is_refused_before_anything_is_rented(cloud, tmp_path):
+    # vast.ai's allocation holds the image too and cannot grow after create (issue 46): a 10 GB disk under a
+    # 20 GB image would pull the image, billed, then fail the weights on every machine
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(write_config(tmp_path, provider={"image_gb": 20.0})),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+    for command in ("offers", "up"):
+        result = fleet(env, command, "--model", "tiny", "--region", "eu")
+        assert result.returncode == 2, result.stderr
+        assert "models.tiny.disk_gb = 10 is less than the image (20 GB) and the weights" in one_line_error(result)
+        result = fleet(env, command, "--model", "tiny", "--region", "eu", "--json")
+        assert result.returncode == 2 and "disk_gb = 10" in json.loads(result.stdout)["error"]
+    assert cloud.state()["instances"] == {}

@@ -9,6 +9,7 @@ import time
 from fleet.context import Context
 from fleet.control.status import machines
 from fleet.core.config import Profile
+from fleet.core.errors import BadInput
 from fleet.core.models import LIVE_STATES, OfferSeen, utcnow
 from fleet.economics import offers as offer_rules
 from fleet.economics import selection
@@ -51,6 +52,24 @@ def criteria(
     )
 
 
+DISK_SPARE = 1.1  # the image and the weights with a tenth to spare: logs, the server's files, a partial download
+
+
+def disk_problem(profile: Profile, need: profiles.CardNeed, image_gb: float) -> str | None:
+    """Why the profile's disk cannot hold a host, or None. vast.ai's allocation holds the image as well as what the
+    host pulls, and cannot grow after create: a disk too small pulls the image (billed), then fails the weights
+    with "No space left on device" on every machine."""
+    weights_gb = need.pull_bytes / offer_rules.GB
+    needed = (image_gb + weights_gb) * DISK_SPARE
+    if profile.disk_gb >= needed:
+        return None
+    return (
+        f"models.{profile.name}.disk_gb = {profile.disk_gb:g} is less than the image ({image_gb:g} GB) and the "
+        f"weights ({weights_gb:.1f} GB) with a tenth to spare ({needed:.1f} GB): vast.ai's disk holds the image "
+        "too, and cannot grow after create"
+    )
+
+
 async def search(
     ctx: Context,
     model: str,
@@ -65,7 +84,10 @@ async def search(
     card alone, so that the funnel counts what each filter removes."""
     profile = ctx.settings.profile(model)
     excluded = unusable_machines(ctx) if exclude_unusable else set()
-    wanted = criteria(ctx, profile, region, max_price, excluded, await payloads.card_need(ctx, profile))
+    need = await payloads.card_need(ctx, profile)
+    if problem := disk_problem(profile, need, engine_of(profile).image_gb(ctx.settings.provider)):
+        raise BadInput(problem)
+    wanted = criteria(ctx, profile, region, max_price, excluded, need)
     query = offer_rules.query_for(wanted, profile, pool_only=explain)
     async with ctx.waits.on("market"):
         found = await ctx.market.search(query)
