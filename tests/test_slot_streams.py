@@ -145,3 +145,16 @@ def test_calls_on_any_slots_decode_in_one_pass_as_on_neighbouring_slots(llama_se
             # and each call said, to the last bit of its top probabilities, what it says on neighbouring slots
             assert [r[0] for r in spread.replies] == [r[0] for r in neighbours.replies], apart
             assert spread.replies == neighbours.replies, f"{apart}: probabilities differ from the neighbours'"
+
+
+def test_a_server_that_does_not_come_up_says_why(llama_server, tmp_path):
+    # a bench on a borrowed machine brings back its error and not the server's log (bench/gpu/run slots on
+    # 2026-12-06): the error carries the log's last lines
+    model = tinymodels.generate("tiny", tmp_path / "tiny.gguf")
+    flags = ["-md", str(model), "--spec-type", "draft-mtp"]  # the tiny model has no MTP layers
+    log = tmp_path / "server.log"
+    with pytest.raises(RuntimeError) as refused, run_llama_server(llama_server, model, *flags, timeout_s=60, log=log):
+        pass
+    said = str(refused.value).splitlines()
+    assert said[0].startswith("llama-server did not come up on http://127.0.0.1:")
+    assert any("failed to create MTP context" in line for line in said[1:]), said

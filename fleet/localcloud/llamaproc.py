@@ -15,6 +15,8 @@ import httpx
 
 from fleet.localcloud.network import free_port
 
+LAST_WORDS = 8  # lines of a server's log that failing to start repeats
+
 
 @contextmanager
 def llama_server(
@@ -46,7 +48,9 @@ def llama_server(
             except httpx.TransportError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up on {base}")
+                # its last words say why (a bench on a borrowed machine brings back its error, not the log)
+                said = log.read_text(errors="replace").strip().splitlines()[-LAST_WORDS:] if log else []
+                raise RuntimeError("\n".join([f"llama-server did not come up on {base}", *said]))
             time.sleep(0.05)
         yield base
     finally:
