@@ -29,6 +29,7 @@ LABEL = "fleet-doctor"
 MARKER = "FLEET_DOCTOR_ONSTART"
 WATCH_MAX_S = 900.0  # the longest an instance is held, whatever the budget allows
 DISK_GB = 16.0
+CALL_S = 40.0  # the longest one call of the destroy may take, 429s waited out included
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,13 @@ async def _destroy(ctx: Context, report: DoctorReport, instance_id: int, created
     deadline = time.monotonic() + 120.0
     while True:
         try:
-            await ctx.market.destroy(instance_id)
-            if await ctx.market.get(instance_id) is None:
+            # each call bounded: a marketplace refusing calls (429s) must not hold a Ctrl-C past the deadline
+            await asyncio.wait_for(ctx.market.destroy(instance_id), CALL_S)
+            if await asyncio.wait_for(ctx.market.get(instance_id), CALL_S) is None:
                 report.destroyed = True
                 break
-        except MarketError as e:
-            ctx.reporter.info(LABEL, f"destroy of instance {instance_id}: {e}; trying again")
+        except (MarketError, TimeoutError) as e:
+            ctx.reporter.info(LABEL, f"destroy of instance {instance_id}: {e or 'no answer'}; trying again")
         if time.monotonic() > deadline:
             ctx.reporter.info(LABEL, f"instance {instance_id} NOT confirmed destroyed: destroy it by hand")
             break

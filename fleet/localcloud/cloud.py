@@ -24,12 +24,11 @@ from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
 from fleet.localcloud.hosts import LocalHost
 from fleet.localcloud.hub import Link
 from fleet.localcloud.instances import Instance, parse_create, pull_error
+from fleet.localcloud.logs import InstanceLogs
 from fleet.localcloud.power import Power
 from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
 from fleet.localcloud.sshkeys import SshKeys
 from fleet.localcloud.state import CloudSettings, load_state, save_state, write_json_atomic
-
-LOGS_READY_S = 1.0  # a request_logs URL answers 404 until then
 
 log = logging.getLogger("fleet.localcloud")
 
@@ -50,7 +49,7 @@ class Cloud(Power, SshKeys):
         self.dice = FaultDice()
         self._tasks: dict[int, list[asyncio.Task]] = {}
         self._hosts: dict[int, LocalHost] = {}
-        self._log_requests: dict[str, tuple[int, float]] = {}  # request_logs token -> instance, ready at
+        self.logs = InstanceLogs()
         self._networks: dict[int, network.HostNetwork] = {}
         self.limiter = RateLimiter(scale=0.0 if settings.kind else 1.0)
         if self.faults.search_quota_left is not None:
@@ -348,26 +347,12 @@ class Cloud(Power, SshKeys):
 
     # ---- logs ---------------------------------------------------------------------------------
     def request_logs(self, instance_id: int) -> str:
-        """vast.ai's request_logs: a token for a URL that answers the instance's logs a moment later (404 till
-        then, as vast-cli's `logs` polls). The container's own output is the platform's lines; onstart's output
-        is in it only under fault `onstart_in_logs` (no source says it is: `fleet doctor --live` reads it)."""
         if instance_id not in self.state.instances:
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
-        token = secrets.token_urlsafe(16)
-        self._log_requests[token] = (instance_id, time.monotonic() + LOGS_READY_S)
-        return token
+        return self.logs.request(instance_id)
 
     def log_text(self, token: str) -> str | None:
-        """The logs a request_logs token names, once ready; None before, or for an unknown token."""
-        instance_id, ready_at = self._log_requests.get(token, (0, 0.0))
-        inst = self.state.instances.get(instance_id)
-        if inst is None or time.monotonic() < ready_at:
-            return None
-        lines = [f"Starting container {inst.id} ({inst.image})", "Starting sshd"]
-        onstart = self.state_dir / "hosts" / str(inst.id) / "log" / "onstart.log"
-        if self.faults.onstart_in_logs and onstart.exists():
-            lines += onstart.read_text(errors="replace").splitlines()
-        return "\n".join(lines) + "\n"
+        return self.logs.text(token, self.state.instances, self.state_dir, self.faults.onstart_in_logs)
 
     def user(self) -> dict[str, Any]:
         # show_user.yaml's fields (id, key_id, email, balance, ssh_key, sid): no `credit`, which only the
