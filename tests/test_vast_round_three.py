@@ -250,10 +250,12 @@ async def test_a_big_image_on_a_slow_link_is_waited_for_and_its_bytes_are_billed
     cloud's clock), far past timeouts.create_to_running. fleet gives the boot the pull's time at the listed
     link, blames no machine, and bills the image's bytes with the files'."""
     base = settings_for(tmp_path)
+    tiny = base.models["tiny"].model_copy(update={"disk_gb": 40.0})  # the disk holds the image too
     settings = base.model_copy(
         update={
             "provider": base.provider.model_copy(update={"image_gb": 30.0}),
             "timeouts": base.timeouts.model_copy(update={"create_to_running": 10}),
+            "models": {**base.models, "tiny": tiny},
         }
     )
     offer = (await ranked_offers(settings))[0]

@@ -48,11 +48,15 @@ def doctor_cmd(
 
     report = run_async(go)
     if json_output:
-        render.print_json(report.as_dict())
-    else:
-        for finding in report.findings:
-            render.warn(("doctor", "bold"), f" {finding.line()}")
-        spent = f"instance {report.instance_id}, held {report.held_s:.0f} s, at most ${report.cost_usd:.4f}"
-        render.warn(("doctor", "bold"), f" {spent if report.instance_id else 'nothing rented'}")
+        render.print_json(report.as_dict())  # the report says `destroyed` and `interrupted` itself
+        if not report.destroyed or report.interrupted:
+            raise typer.Exit(1 if not report.destroyed else 130)
+        return
+    for finding in report.findings:
+        render.warn(("doctor", "bold"), f" {finding.line()}")
+    spent = f"instance {report.instance_id}, held {report.held_s:.0f} s, at most ${report.cost_usd:.4f}"
+    render.warn(("doctor", "bold"), f" {spent if report.instance_id else 'nothing rented'}")
     if not report.destroyed:
-        raise typer.Exit(1)
+        fail(f"instance {report.instance_id} was not confirmed destroyed: destroy it (fleet reconcile finds it)")
+    if report.interrupted:
+        fail("interrupted: the rental was destroyed", 130)

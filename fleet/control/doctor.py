@@ -13,8 +13,10 @@ and the report says what it cost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,7 +24,7 @@ from fleet.context import Context
 from fleet.core.errors import BadInput
 from fleet.engines.registry import engine_of
 from fleet.host.bringup import image_login
-from fleet.market import InstanceSpec, MarketError, Offer, OfferQuery
+from fleet.market import CreateFailed, InstanceSpec, MarketError, Offer, OfferQuery
 from fleet.market.vast import NotFound
 
 LABEL = "fleet-doctor"
@@ -52,6 +54,7 @@ class DoctorReport:
     held_s: float = 0.0
     cost_usd: float = 0.0  # at most: the offer's $/h over the time the instance existed, its disk included
     destroyed: bool = True
+    interrupted: bool = False  # Ctrl-C ended the watch (the rental destroyed all the same)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "findings": [asdict(f) for f in self.findings]}
@@ -123,7 +126,8 @@ async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, imag
     spec = InstanceSpec(
         image=image,
         disk_gb=DISK_GB,
-        label=f"{LABEL}:{token}",
+        # the install's prefix: were this process killed, `fleet reconcile` (the daemon's too) destroys it as a stray
+        label=f"{ctx.label_prefix}{LABEL}-{token}",
         env={},
         ports=[],
         onstart=f"echo {MARKER} {token}\n",
@@ -131,16 +135,37 @@ async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, imag
     )
     ctx.reporter.info(LABEL, f"renting offer {offer.id} (${offer.dph_total:.3f}/h) for at most {watch_s:.0f} s")
     created = time.monotonic()
-    instance_id = await ctx.market.create(offer.id, spec)
+    try:
+        instance_id = await ctx.market.create(offer.id, spec)
+    except CreateFailed as e:
+        if e.new_contract is None:
+            raise
+        instance_id = e.new_contract  # vast.ai may make the contract all the same: it is destroyed below
+        report.findings.append(Finding("create", "a create that answers an error may have made its contract",
+                                       True, f"{e}; contract {instance_id}"[:300]))  # fmt: skip
     report.instance_id = instance_id
     report.destroyed = False
+    # Ctrl-C ends the watch between two reads, and the rental is destroyed as on any other path: a cancellation
+    # landing anywhere in the market's pacing (a turn claimed, never given back) could hold the destroy up
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     try:
-        await _watch(ctx, report, instance_id, token, watch_s)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        caught = True
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: Ctrl-C cancels as usual
+        caught = False
+    try:
+        await _watch(ctx, report, instance_id, token, watch_s, stop)
     finally:
+        if caught:
+            loop.remove_signal_handler(signal.SIGINT)
         await asyncio.shield(_destroy(ctx, report, instance_id, created, offer))
+    report.interrupted = stop.is_set()
 
 
-async def _watch(ctx: Context, report: DoctorReport, instance_id: int, token: str, watch_s: float) -> None:
+async def _watch(
+    ctx: Context, report: DoctorReport, instance_id: int, token: str, watch_s: float, stop: asyncio.Event
+) -> None:
     started = time.monotonic()
     try:
         await ctx.market.attach_ssh_key(instance_id, ctx.ssh_key.public)
@@ -157,7 +182,7 @@ async def _watch(ctx: Context, report: DoctorReport, instance_id: int, token: st
     messages: list[str] = []
     running = False
     deadline = started + watch_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         instance = await ctx.market.get(instance_id)
         if instance is not None:
             if visible_s is None:
@@ -172,7 +197,8 @@ async def _watch(ctx: Context, report: DoctorReport, instance_id: int, token: st
                 break
             if instance.image_error() or instance.boot_error() or instance.down:
                 break
-        await asyncio.sleep(3.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 3.0)
     lag = "never readable" if visible_s is None else f"readable after {visible_s:.1f} s"
     report.findings.append(
         Finding("reads_lag_create", "a new instance may be unreadable after its create", visible_s is not None, lag)
@@ -196,7 +222,7 @@ async def _watch(ctx: Context, report: DoctorReport, instance_id: int, token: st
         )
     )
     logs_finding = "onstart's output reaches the instance's logs (a channel for a host's key)"
-    if not running:
+    if not running or stop.is_set():
         report.findings.append(Finding("onstart_in_logs", logs_finding, None, "the instance never ran"))
         return
     await asyncio.sleep(5.0)  # onstart runs once the container is up
