@@ -167,16 +167,16 @@ async def _watch(
     ctx: Context, report: DoctorReport, instance_id: int, token: str, watch_s: float, stop: asyncio.Event
 ) -> None:
     started = time.monotonic()
+    held, seen = True, "attached"
     try:
         await ctx.market.attach_ssh_key(instance_id, ctx.ssh_key.public)
-        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", True, "attached")
-    except NotFound as e:
-        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", True,
-                         f"not found yet: {e}"[:200])  # fmt: skip
+    except NotFound as e:  # what fleet's bring-up expects, and waits out
+        seen = f"not found yet: {e}"
     except MarketError as e:
-        said = f"{type(e).__name__}: {e}"[:200]
-        attach = Finding("attach_key_after_create", "a key attached at once may meet a not-found", False, said)
-    report.findings.append(attach)
+        held, seen = False, f"{type(e).__name__}: {e}"
+    report.findings.append(
+        Finding("attach_key_after_create", "a key attached at once may meet a not-found", held, seen[:200])
+    )
     visible_s: float | None = None
     statuses: list[str] = []
     messages: list[str] = []
