@@ -60,11 +60,9 @@ async def vllm_host(_cloud_env, module_dir: Path) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def fleet(vllm_host, module_dir: Path) -> AsyncIterator[Fleet]:
-    # thermal's share below the llama-server test's: a CPU host's rate moves with the machine's other load, and
-    # vLLM's CPU build takes three samples of ~7 s each, one a third (a suite's other workers once moved it to
-    # 0.49 of the first); the probes' deadline as the bring-up's (vLLM's CPU build decodes four at once at ~30
-    # tok/s each on a quiet machine: thermal's three samples beside its load took over 60 s on a busy one)
-    settings = settings_for(module_dir, probes={"thermal_min_share": 0.3}, timeouts={"load": 240, "probes": 240})
+    # the probes' deadline as the bring-up's: thermal's three samples beside its load took over 60 s on a busy
+    # machine
+    settings = settings_for(module_dir, timeouts={"load": 240, "probes": 240})
     async with fleet_for(settings) as opened:
         yield opened
 
@@ -107,11 +105,7 @@ async def test_up_serves_the_repository_it_pulled_and_checked_over_tls_with_the_
     assert "vllm:num_requests_running" in metrics and requests_in_flight(metrics) == 0
 
 
-# thermal alone: on this test bed the CPU that decodes is the CPU the suite's other workers share, and a burst of
-# theirs during one of thermal's later samples read as a healthy host's sag (0.15 of its cold rate, issue 45);
-# with the machine to itself (a steady neighbour such as a CPU hog on one core lowers every sample alike) the
-# share reads the host's own decode. The sagging host's failure is held on llama-server (test_rotation)
-@pytest.mark.parametrize("probe", ["smoke", "cache", "keepalive", pytest.param("thermal", marks=pytest.mark.alone)])
+@pytest.mark.parametrize("probe", ["smoke", "cache", "keepalive"])
 async def test_each_probe_passes_on_a_real_vllm_server(fleet, probe):
     host = fleet.record.hosts(states=(HostState.READY,))[0]
     (result,) = await fleet.probe(host.name, only=[probe])
@@ -120,6 +114,24 @@ async def test_each_probe_passes_on_a_real_vllm_server(fleet, probe):
         # vLLM's usage said how much of each warm turn came from its cache, in blocks of the profile's size
         assert result.metrics["block_tokens"] == 32
         assert all(n > 0 for n in result.metrics["cache_n"]), result.metrics
+
+
+async def test_the_thermal_probe_loads_a_real_vllm_server_and_reads_its_rate(fleet):
+    """Thermal's mechanics on vLLM: the load reaches the server, each one-caller rate is read from replies that
+    state no timings, and the verdict is the share's. Not whether this host sags: on vLLM's CPU build the
+    one-caller rate swung from 10 to 350 tok/s between consecutive replies on a quiet machine, with the phase
+    of the load's requests (CI once failed a healthy host at 0.24), so a share here measures the test bed's
+    scheduler. A sagging host's failure is held on llama-server, which states its own rate (test_rotation)."""
+    host = fleet.record.hosts(states=(HostState.READY,))[0]
+    (result,) = await fleet.probe(host.name, only=["thermal"])
+    assert result.name == "thermal", result
+    load, rates = result.metrics["load"], result.metrics["decode_rates"]
+    assert load["callers"] == fleet.settings.profile(MODEL).slots - 1 and load["failed"] == 0, load
+    assert load["ok"] >= load["callers"], load
+    assert len(rates) >= 3 and all(r > 0 for r in rates), rates
+    share = result.metrics["decode_share"]
+    assert result.passed == (share >= fleet.settings.probes.thermal_min_share), result
+    assert [r.name for r in fleet.record.probe_runs(host.id)].count("thermal") == 1
 
 
 async def test_the_cache_probe_on_vllm_fails_a_template_that_rewrites_history(fleet):
