@@ -1,6 +1,6 @@
 """`fleet doctor --live` as a user runs it, against the local cloud in each of its readings: it reads the account,
 the search's `rented` filter and the maintenance windows, rents the cheapest affordable offer with fleet's image,
-watches it, reads its logs for its onstart's line, destroys it and says what it cost. A reading the local cloud
+watches it, reads its logs for the key its host announced, destroys it and says what it cost. A reading the local cloud
 takes one way by default (the harder one) is turned by a fault, so each branch of the report is seen."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from fleet.engines import registry
 from tests.fleetkit import cli_env
-from tests.helpers import listed_instances
+from tests.helpers import listed_instances, polite
 
 
 @pytest.fixture(autouse=True)
@@ -66,20 +66,24 @@ async def test_the_local_clouds_default_readings_are_reported_and_the_rental_is_
     assert found["attach_key_after_create"]["held"] is True
     assert found["reads_lag_create"]["held"] is True and "readable after" in found["reads_lag_create"]["seen"]
     assert found["image_pulls"]["held"] is True and "running" in found["image_pulls"]["seen"]
-    # onstart's output is not in the logs unless a fault says so: the harder reading for a host key's channel
-    assert (found["onstart_in_logs"]["held"], found["onstart_in_logs"]["seen"]) == (False, "the marker is not there")
+    # the key the rented host announced on its console came back in its logs, as fleet pins a host's key
+    assert found["host_key_in_logs"]["held"] is True
+    assert found["host_key_in_logs"]["seen"].startswith("announced: ssh-ed25519 "), found["host_key_in_logs"]
     assert await doctors_left(cloud) == []
 
 
 async def test_the_other_readings_turn_their_findings(cloud, tmp_path):
     env = cli_env(cloud, tmp_path)  # clears the faults: set them after
-    cloud.set_faults({"renter_reads_maintenances": True, "onstart_in_logs": True})
+    async with cloud.client() as api:
+        r = await polite(api, "POST", "/api/v0/bundles/", json={"rentable": {"eq": True}})
+        machines = sorted({o["machine_id"] for o in r.json()["offers"]})
+    cloud.set_faults({"renter_reads_maintenances": True, "logs_without_console": machines})
     try:
         found = findings(fleet(env, "--live", "--yes", "--json", "--model", "tiny"))
     finally:
         cloud.set_faults({})
     assert found["maintenances_as_renter"]["held"] is False and "answered" in found["maintenances_as_renter"]["seen"]
-    assert (found["onstart_in_logs"]["held"], found["onstart_in_logs"]["seen"]) == (True, "the marker is there")
+    assert (found["host_key_in_logs"]["held"], found["host_key_in_logs"]["seen"]) == (False, "no key announced")
     assert await doctors_left(cloud) == []
 
 
@@ -91,7 +95,7 @@ async def test_an_image_that_does_not_pull_is_reported_with_the_daemons_words_an
     finally:
         cloud.set_faults({})
     assert found["image_pulls"]["held"] is False and "manifest" in found["image_pulls"]["seen"]
-    assert found["onstart_in_logs"]["held"] is None
+    assert found["host_key_in_logs"]["held"] is None
     assert await doctors_left(cloud) == []
 
 

@@ -44,7 +44,7 @@ from fleet.localcloud.llamaproc import llama_server as run_llama_server
 from fleet.probes.server import Server
 from fleet.probes.stream import Connection, StreamError
 from tests import dripper
-from tests.fleetkit import cli_env, first_machine, fleet_for, settings_for, with_variant, write_config
+from tests.fleetkit import cli_env, fleet_for, settings_for, with_variant, write_config
 from tests.helpers import http_server, listed_instances
 
 
@@ -388,47 +388,6 @@ def test_fleet_signs_only_the_public_key_of_a_well_formed_request(tmp_path):
         tls.sign_host(ca, pem, "203.0.113.7", "h1", _in(hours=-1))
     with pytest.raises(ValueError):
         tls.sign_host(ca, pem, "host.example", "h1", _in(hours=5))  # an address, never a name
-
-
-async def test_the_first_ssh_connection_is_pinned_to_the_host_key_fleet_delivered(cloud, tmp_path):
-    async with fleet_for(settings_for(tmp_path)) as fleet:
-        [host] = (await fleet.up(UpRequest("tiny", "eu"))).ready
-        try:
-            etc = cloud.info.state_dir / "hosts" / str(host.instance_id) / "etc"
-            # the platform made its own key at boot; fleet's, from the create call's onstart, replaced it
-            assert (etc / "ssh_host_ed25519_key.pub").read_text().strip() == host.host_key
-            assert "host key installed" in (etc.parent / "log" / "onstart.log").read_text()
-            # and it asked vast.ai's SSH runtype for no tmux around fleet's SSH sessions (SkyPilot's onstart too)
-            assert (etc.parent / "root" / ".no_auto_tmux").exists()
-            conn, presented = await connect(host.ssh_host, host.ssh_port, fleet.ssh_key, host.host_key, 30)
-            conn.close()
-            assert presented == host.host_key
-            # its private half went to the host in the create call, and is nowhere in fleet's own files
-            body = (etc / "ssh_host_ed25519_key").read_text().splitlines()[2:4]  # past the header every key shares
-            for path in tmp_path.rglob("*"):
-                if path.is_file():
-                    assert not any(line.encode() in path.read_bytes() for line in body), path
-        finally:
-            await fleet.destroy(None)
-
-
-async def test_a_host_that_answers_ssh_with_another_key_at_first_contact_is_refused(cloud, tmp_path):
-    settings = settings_for(tmp_path, timeouts={"ssh": 20})
-    machine = await first_machine(settings)
-    cloud.set_faults({"foreign_host_key": [machine]})  # someone else answers its SSH from the start
-    try:
-        async with fleet_for(settings) as fleet:
-            result = await fleet.up(UpRequest("tiny", "eu"))
-            try:
-                failed, ready = result.attempts
-                assert (failed.machine_id, failed.phase) == (machine, "connect")
-                assert "a host key other than the pinned one" in failed.reason
-                assert ready.outcome == "ready" and ready.machine_id != machine
-                assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
-            finally:
-                await fleet.destroy(None)
-    finally:
-        cloud.set_faults({})
 
 
 async def test_the_hub_may_send_a_host_to_itself_or_its_cdn_over_https_alone():

@@ -5,9 +5,9 @@ fleet's readings of vast.ai come from its documents, its CLI and SDK, and other 
 the marketplace itself: it reads the account's answer, the search's `rented` filter and the maintenance
 windows as a renter, then rents the cheapest offer it can afford within the budget, with the image fleet
 boots, and watches it: how long a new instance's reads lag its create, whether an SSH key attaches at once,
-what `status_msg` says of a digest-pinned image, which statuses the listing shows, and whether the create
-call's onstart output reaches the instance's logs. The instance is destroyed on every path, Ctrl-C included,
-and the report says what it cost.
+what `status_msg` says of a digest-pinned image, which statuses the listing shows, and whether a host's
+key, announced on its console by onstart, reaches the instance's logs (fleet pins it from there). The instance
+is destroyed on every path, Ctrl-C included, and the report says what it cost.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass, field
 from fleet.context import Context
 from fleet.core.errors import BadInput
 from fleet.engines.registry import engine_of
+from fleet.host import hostkey
 from fleet.host.bringup import image_login
 from fleet.market import CreateFailed, InstanceSpec, MarketError, Offer, OfferQuery
 from fleet.market.vast import NotFound
 
 LABEL = "fleet-doctor"
-MARKER = "FLEET_DOCTOR_ONSTART"
 WATCH_MAX_S = 900.0  # the longest an instance is held, whatever the budget allows
 DISK_GB = 16.0
 CALL_S = 40.0  # the longest one call of the destroy may take, 429s waited out included
@@ -130,7 +130,7 @@ async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, imag
         label=f"{ctx.label_prefix}{LABEL}-{token}",
         env={},
         ports=[],
-        onstart=f"echo {MARKER} {token}\n",
+        onstart=hostkey.onstart(),  # a fleet host's own: its key announced as fleet reads it
         image_login=image_login(ctx.settings.provider),
     )
     ctx.reporter.info(LABEL, f"renting offer {offer.id} (${offer.dph_total:.3f}/h) for at most {watch_s:.0f} s")
@@ -221,15 +221,15 @@ async def _watch(
             f"statuses seen: {', '.join(statuses) or 'none'}",
         )
     )
-    logs_finding = "onstart's output reaches the instance's logs (a channel for a host's key)"
+    logs_finding = "a host's key, announced on its console by onstart, reaches the instance's logs"
     if not running or stop.is_set():
-        report.findings.append(Finding("onstart_in_logs", logs_finding, None, "the instance never ran"))
+        report.findings.append(Finding("host_key_in_logs", logs_finding, None, "the instance never ran"))
         return
     await asyncio.sleep(5.0)  # onstart runs once the container is up
-    text = await ctx.market.logs(instance_id)
-    found = text is not None and f"{MARKER} {token}" in text
-    seen = "no logs answered" if text is None else ("the marker is there" if found else "the marker is not there")
-    report.findings.append(Finding("onstart_in_logs", logs_finding, None if text is None else found, seen))
+    text = await ctx.market.logs(instance_id, tail=hostkey.LOG_LINES)
+    keys = hostkey.announced(text or "")
+    seen = "no logs answered" if text is None else (f"announced: {keys[0]}" if keys else "no key announced")
+    report.findings.append(Finding("host_key_in_logs", logs_finding, None if text is None else bool(keys), seen))
 
 
 async def _destroy(ctx: Context, report: DoctorReport, instance_id: int, created: float, offer: Offer) -> None:

@@ -70,6 +70,7 @@ class Timeouts(Strict):
     # How long an instance may read `offline`/`unknown` (a late heartbeat) before it counts as failed.
     heartbeat_gap: Annotated[float, Field(gt=0)] = 120
     ssh: Annotated[float, Field(gt=0)] = 120
+    host_key: Annotated[float, Field(gt=0)] = 180  # a new host's key announced in its logs, read till then
     pull: Annotated[float, Field(gt=0)] = 3600
     pull_stall: Annotated[float, Field(gt=0)] = 120  # a pull whose bytes stop growing this long fails then
     # On a slow link the pull may take longer than `pull`: as long as the files need at this share of the

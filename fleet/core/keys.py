@@ -3,7 +3,7 @@ first use beside the database, private to its owner."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncssh
@@ -15,20 +15,6 @@ from fleet.core.files import write_private, write_public
 class SshKey:
     private: Path
     public: str
-
-
-@dataclass(frozen=True)
-class HostKey:
-    """An SSH host key fleet makes for a host it rents: the private half goes to the host in the create
-    call (over the marketplace's TLS) and nowhere else; the public half is pinned before first contact."""
-
-    private: str = field(repr=False)  # OpenSSH format
-    public: str
-
-
-def new_host_key() -> HostKey:
-    key = asyncssh.generate_private_key("ssh-ed25519")
-    return HostKey(key.export_private_key().decode(), key.export_public_key().decode().strip())
 
 
 def ensure_key(path: Path) -> SshKey:

@@ -25,7 +25,6 @@ from fleet.context import Context
 from fleet.core import failpoints, tls
 from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
-from fleet.core.keys import new_host_key
 from fleet.core.models import Host, HostState, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.engines.registry import engine_of
@@ -152,17 +151,15 @@ class BringUp:
     async def create(self) -> None:
         ctx, host, offer = self.ctx, self.host, self.offer
         assert offer is not None
-        host_key = new_host_key()
         spec = InstanceSpec(
             image=engine_of(self.profile).image(ctx.settings.provider),
             disk_gb=self.profile.disk_gb,
             label=host.label,
             env={},
             ports=[SERVICE_PORT],
-            onstart=hostkey.onstart(host_key),
+            onstart=hostkey.onstart(),
             image_login=image_login(ctx.settings.provider),
         )
-        ctx.record.update(host, host_key=host_key.public)  # pinned before first contact
         ctx.reporter.info(
             host.name, f"renting offer {offer.id} ({offer.gpu_name}, {offer.geolocation}, ${offer.dph_total:.4f}/h)"
         )
@@ -223,9 +220,20 @@ class BringUp:
         loopback_ok = self.ctx.settings.provider.is_local
         await addresses.require_resolved(endpoint[0], endpoint[1], loopback_ok=loopback_ok)
         addresses.require(service[0], loopback_ok=loopback_ok)
+        if self.host.host_key is None:  # a new host: its key as it announced it (a resumed one keeps its own)
+            try:
+                async with self.ctx.waits.on("market"):
+                    announced = await hostkey.learn(
+                        self.ctx.market, self.instance.id, self.ctx.settings.timeouts.host_key
+                    )
+            except hostkey.HostKeyUnknown as e:
+                # two keys: someone else printed one on its console, the machine's doing; none: the logs may be
+                # the marketplace's fault as much as the machine's
+                raise PhaseFailed("connect", str(e), blacklist=e.conflicting) from None
+            self.ctx.record.update(self.host, host_key=announced)  # pinned before first contact
         try:
             async with self.ctx.waits.on("ssh"):
-                # the key fleet made for it at create (the platform's own until onstart has swapped it in)
+                # the key it announced (the platform's own until onstart has swapped it in)
                 self.conn, _ = await connect(
                     endpoint[0],
                     endpoint[1],

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from fleet.localcloud.cloud import ApiError, Cloud
 from fleet.localcloud.hub import Hub
+from fleet.localcloud.logs import DEFAULT_TAIL
 
 log = logging.getLogger("fleet.localcloud.api")
 
@@ -152,13 +153,15 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
 
     async def request_logs(request: web.Request) -> web.Response:
         instance_id = _int_param(request, "id")
-        await request.read()
-        token = cloud.request_logs(instance_id)
+        body = await read_json(request)
+        # vast-cli sends the tail as a string
+        tail = str(body.get("tail", DEFAULT_TAIL) if isinstance(body, dict) else DEFAULT_TAIL)
+        token = cloud.request_logs(instance_id, int(tail) if tail.isdigit() else DEFAULT_TAIL)
         return json_response({"success": True, "result_url": f"{request.url.origin()}/logs/{token}"})
 
     async def log_text(request: web.Request) -> web.Response:
         # another server's URL on vast.ai (a bucket's), read without the API key
-        text = cloud.log_text(request.match_info["token"])
+        text = cloud.logs.text(request.match_info["token"])
         if text is None:
             return web.Response(status=404, text="NoSuchKey", content_type="text/plain")
         return web.Response(text=text, content_type="text/plain")

@@ -204,6 +204,8 @@ class Booting:
         later = []
         if inst.ssh_mode:
             later.append(lambda: host.install_keys(inst.authorized_keys))
+        if inst.machine_id in self.faults.forged_host_key:
+            later.append(host.announce_another_key)
         if inst.onstart:
             foreign = inst.machine_id in self.faults.foreign_host_key
             later.append(lambda: host.run_onstart(inst.onstart or "", env, foreign_key=foreign))

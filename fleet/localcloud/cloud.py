@@ -346,13 +346,11 @@ class Cloud(Power, SshKeys):
             )
 
     # ---- logs ---------------------------------------------------------------------------------
-    def request_logs(self, instance_id: int) -> str:
-        if instance_id not in self.state.instances:
+    def request_logs(self, instance_id: int, tail: int) -> str:
+        if (inst := self.state.instances.get(instance_id)) is None:
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
-        return self.logs.request(instance_id)
-
-    def log_text(self, token: str) -> str | None:
-        return self.logs.text(token, self.state.instances, self.state_dir, self.faults.onstart_in_logs)
+        console = inst.machine_id not in self.faults.logs_without_console
+        return self.logs.request(inst, self.state_dir / "hosts" / str(instance_id), console, tail)
 
     def user(self) -> dict[str, Any]:
         # show_user.yaml's fields (id, key_id, email, balance, ssh_key, sid): no `credit`, which only the

@@ -95,8 +95,8 @@ class Faults:
     # the next N destroys answer HTTP 200 with `success: false` and destroy nothing (dstack raises on such an
     # answer unless its error is no_such_instance; the error's name here is ours)
     destroy_refused: int = 0
-    # request_logs' answer holds what the create call's onstart printed (no source says whether vast.ai's does)
-    onstart_in_logs: bool = False
+    # machines whose instances' logs hold the platform's lines alone, none of the container's console
+    logs_without_console: list[int] = field(default_factory=list)
     search_quota_left: int | None = None  # searches left today (None: the default quota)
     slow: SlowAnswer | None = None
     pull_stall: PullStall | None = None
@@ -115,8 +115,10 @@ class Faults:
     image_sizes: dict[str, int] = field(default_factory=dict)
     # how long an expired instance is kept before vast.ai deletes it (None: its 48 h)
     expired_kept_s: float | None = None
-    # machines whose sshd never takes the host key the create call's onstart installs: someone else answers
+    # machines whose sshd never takes the host key fleet-host-key installs and announces: someone else answers
     foreign_host_key: list[int] = field(default_factory=list)
+    # machines on whose console someone else announces a host key of theirs before onstart announces the host's
+    forged_host_key: list[int] = field(default_factory=list)
     freeze_server: list[int] = field(
         default_factory=list
     )  # machines (set before renting) whose llama-server never starts
@@ -155,7 +157,7 @@ class Faults:
             reprice_at_create={int(k): float(v) for k, v in data.get("reprice_at_create", {}).items()},
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
             destroy_refused=int(data.get("destroy_refused", 0)),
-            onstart_in_logs=bool(data.get("onstart_in_logs", False)),
+            logs_without_console=[int(x) for x in data.get("logs_without_console", [])],
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
             slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,
@@ -167,6 +169,7 @@ class Faults:
             maintenances={int(k): [float(v[0]), float(v[1])] for k, v in data.get("maintenances", {}).items()},
             renter_reads_maintenances=bool(data.get("renter_reads_maintenances", False)),
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
+            forged_host_key=[int(x) for x in data.get("forged_host_key", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
             missing_images=[str(x) for x in data.get("missing_images", [])],

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,13 +76,15 @@ class LocalHost:
 
         FLEET_LISTEN_HOST is the host's own address: what 0.0.0.0 is inside a container's network
         namespace (the image's scripts default to 0.0.0.0). FLEET_HOST_KEY_DIR and FLEET_SSHD_PID_FILE are
-        where this host's sshd keeps what a container's keeps in /etc/ssh and /run/sshd.pid."""
+        where this host's sshd keeps what a container's keeps in /etc/ssh and /run/sshd.pid; FLEET_CONSOLE is
+        what a container's /proc/1/fd/1 is, the console its logs hold (logs.py)."""
         env = {
             "PATH": f"{self.bin_dir}:{BASE_PATH}",
             "HOME": str(self.root),
             "FLEET_LISTEN_HOST": self.private_ip,
             "FLEET_HOST_KEY_DIR": str(self.etc),
             "FLEET_SSHD_PID_FILE": str(self.directory / "sshd.pid"),
+            "FLEET_CONSOLE": str(self.log_dir / "console.log"),
             "TMUX_TMPDIR": str(self.directory / "tmux"),
             procs.MARKER: self.token,
         }
@@ -242,6 +245,15 @@ class LocalHost:
         pid = self.sshd_pid()
         if pid:
             os.kill(pid, signal.SIGHUP)  # sshd re-executes itself and reads its host key again
+
+    def announce_another_key(self) -> None:
+        """A key no sshd of this host holds, announced on its console as fleet-host-key announces the host's."""
+        with tempfile.TemporaryDirectory() as tmp:
+            key = Path(tmp) / "key"
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "", "-f", str(key)], check=True)
+            public = " ".join(Path(str(key) + ".pub").read_text().split()[:2])
+        with (self.log_dir / "console.log").open("a") as console:
+            console.write(f"fleet-host-key: {public}\n")
 
     def install_keys(self, authorized_keys: list[str]) -> None:
         _write_private(self.root / ".ssh" / "authorized_keys", "".join(k.strip() + "\n" for k in authorized_keys))

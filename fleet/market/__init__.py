@@ -342,6 +342,10 @@ class Market(Protocol):
         """Put a public key on one instance (where the API key may not add one to the account). AuthError
         when the key lacks instance_write."""
 
+    async def logs(self, instance_id: int, tail: int = 200, wait_s: float = 30.0) -> str | None:
+        """The last `tail` lines of the instance's logs (its console: what its PID 1 printed), as the marketplace
+        gives them a moment after they are asked for; None when they never come within `wait_s`."""
+
     async def credit(self) -> float | None:
         """The account's available credit in $, or None when the marketplace does not say. At zero vast.ai
         stops every instance and rents nothing more."""
