@@ -108,8 +108,14 @@ async def wait_status(
 
 
 async def destroy(api: httpx.AsyncClient, instance_id: int) -> None:
-    r = await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/")
-    assert r.status_code in (200, 404), r.text
+    """Destroy; a 404 is asked again for the seconds a new instance's writes lag its create (the local cloud's
+    3 s), and then means gone."""
+    deadline = time.monotonic() + 5.0
+    while (r := await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/")).status_code == 404:
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.25)
+    assert r.status_code == 200, r.text
 
 
 async def shown(api: httpx.AsyncClient, instance_id: int) -> dict[str, Any] | None:

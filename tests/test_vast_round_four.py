@@ -1,6 +1,6 @@
 """vast.ai as it really is, round four (issue 46), on the strict local cloud: a wrong key that the search
 answers with a 404, a destroy answered `success: false`, an account whose answer names its `balance` and no
-`credit`, and the create call's body as vast.ai's own SDK sends it."""
+`credit`, the create call's body as vast.ai's own SDK sends it, and writes by id inside a new instance's read lag."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import time
 
 import pytest
 
+from fleet.core.models import utcnow
+from fleet.host import teardown
 from fleet.market import AuthError, MarketError
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from tests.fleetkit import fleet_for, settings_for
-from tests.helpers import cheapest_offer, polite, rent
+from tests.helpers import cheapest_offer, polite, rent, shown
 
 
 @pytest.fixture(autouse=True)
@@ -66,3 +68,31 @@ async def test_the_credit_is_read_from_the_balance_when_the_answer_names_no_cred
     async with fleet_for(settings_for(tmp_path)) as fleet:
         credit = await fleet.market.credit()
     assert credit is not None and abs(credit - user["balance"]) < 0.01
+
+
+async def test_writes_by_id_inside_a_new_instances_read_lag_are_not_found_and_fleets_destroy_waits_them_out(
+    cloud, tmp_path
+):
+    """vast.ai's writes by id lag a create as its reads do (the harder reading): a destroy, a stop or an attached
+    key right after create answer "not found". fleet's destroy asks again for timeouts.instance_visible: a 404
+    there once read as gone, and a create that answered an error naming its contract, or a Ctrl-C right after
+    one, left an instance billing."""
+    cloud.set_faults({"read_lag_s": 8.0})
+    try:
+        async with fleet_for(settings_for(tmp_path)) as fleet, cloud.client() as api:
+            offer = await cheapest_offer(api)
+            sent = utcnow()
+            instance_id = await rent(api, offer["id"], label=f"{fleet.label_prefix}lagged")
+            gone = await polite(api, "DELETE", f"/api/v0/instances/{instance_id}/", json={})
+            stop = await polite(api, "PUT", f"/api/v0/instances/{instance_id}/", json={"state": "stopped"})
+            key = await polite(
+                api, "POST", f"/api/v0/instances/{instance_id}/ssh/", json={"ssh_key": fleet.ssh_key.public}
+            )
+            assert (gone.status_code, stop.status_code, key.status_code) == (404, 404, 404)
+            assert await shown(api, instance_id) is None  # all three inside the lag: it is not shown yet either
+            assert await fleet.market.destroy(instance_id) is False  # "no such instance", read as such
+            assert str(instance_id) in cloud.state()["instances"]  # ... while it is there, and bills
+            await teardown.destroy_known(fleet, instance_id, sent)
+            assert str(instance_id) not in cloud.state()["instances"]
+    finally:
+        cloud.set_faults({})

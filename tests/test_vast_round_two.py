@@ -18,7 +18,7 @@ from fleet.market import CreditSpent, MarketError
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from tests.fleetkit import first_machine, fleet_for, settings_for
-from tests.helpers import cheapest_offer, listed_instances, polite, rent
+from tests.helpers import cheapest_offer, destroy, listed_instances, polite, rent
 from tests.test_rotation import RoundRobinClient
 
 
@@ -45,7 +45,7 @@ async def test_show_after_destroy_in_each_of_its_forms_reads_as_gone(cloud, tmp_
         ids = []
         for _ in range(3):  # three ids in a row: one of each form
             ids.append(await rent(api, offer["id"], label="other:x"))
-            await polite(api, "DELETE", f"/api/v0/instances/{ids[-1]}/", json={})
+            await destroy(api, ids[-1])
         forms = set()
         for instance_id in ids:
             r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
@@ -214,7 +214,7 @@ async def test_error_bodies_of_every_shape_are_read_by_their_status(cloud, tmp_p
     async with fleet_for(settings_for(tmp_path)) as fleet, cloud.client() as api:
         offer = await cheapest_offer(api)
         gone = await rent(api, offer["id"], label="other:gone")
-        await polite(api, "DELETE", f"/api/v0/instances/{gone}/", json={})
+        await destroy(api, gone)
         again = await polite(api, "DELETE", f"/api/v0/instances/{gone}/", json={})
         assert again.status_code == 404 and "success" not in again.json()  # no `success`
         await fleet.market.destroy(gone)  # idempotent: a 404 is gone, whatever the body says

@@ -25,8 +25,7 @@ from fleet.core.errors import BadInput
 from fleet.engines.registry import engine_of
 from fleet.host import hostkey
 from fleet.host.bringup import image_login
-from fleet.market import CreateFailed, InstanceSpec, MarketError, Offer, OfferQuery
-from fleet.market.vast import NotFound
+from fleet.market import CreateFailed, InstanceSpec, MarketError, NotFound, Offer, OfferQuery
 
 LABEL = "fleet-doctor"
 WATCH_MAX_S = 900.0  # the longest an instance is held, whatever the budget allows
@@ -235,11 +234,13 @@ async def _watch(
 async def _destroy(ctx: Context, report: DoctorReport, instance_id: int, created: float, offer: Offer) -> None:
     """Destroy, confirm the instance gone, and count what it cost at most."""
     deadline = time.monotonic() + 120.0
+    destroyed = False  # a destroy answered that it destroyed it: inside the create's lag, "no such" is no proof
     while True:
         try:
             # each call bounded: a marketplace refusing calls (429s) must not hold a Ctrl-C past the deadline
-            await asyncio.wait_for(ctx.market.destroy(instance_id), CALL_S)
-            if await asyncio.wait_for(ctx.market.get(instance_id), CALL_S) is None:
+            destroyed = await asyncio.wait_for(ctx.market.destroy(instance_id), CALL_S) or destroyed
+            known = destroyed or time.monotonic() - created >= ctx.settings.timeouts.instance_visible
+            if known and await asyncio.wait_for(ctx.market.get(instance_id), CALL_S) is None:
                 report.destroyed = True
                 break
         except (MarketError, TimeoutError) as e:

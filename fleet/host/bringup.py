@@ -25,7 +25,7 @@ from fleet.context import Context
 from fleet.core import failpoints, tls
 from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
-from fleet.core.models import Host, HostState, utcnow
+from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.engines.registry import engine_of
 from fleet.host import addresses, certificate, hostkey, templates
@@ -42,6 +42,7 @@ from fleet.market import (
     Instance,
     InstanceSpec,
     MarketError,
+    NotFound,
     Offer,
     OfferGone,
     RateLimited,
@@ -195,7 +196,7 @@ class BringUp:
         if ctx.key_per_instance:
             try:
                 async with ctx.waits.on("market"):
-                    await ctx.market.attach_ssh_key(instance_id, ctx.ssh_key.public)
+                    await self.attach_key(instance_id)
             except AuthError as e:
                 raise PhaseFailed(
                     "create",
@@ -205,6 +206,21 @@ class BringUp:
                     retry=False,
                 ) from None
         ctx.reporter.info(host.name, f"instance {instance_id} created; waiting for it to run")
+
+    async def attach_key(self, instance_id: int) -> None:
+        """fleet's SSH key onto the new instance. Its writes lag its create as its reads do: a "not found"
+        inside timeouts.instance_visible of the create is asked again."""
+        visible_s = self.ctx.settings.timeouts.instance_visible
+        sent = as_utc(self.host.create_sent_at or utcnow())
+        while True:
+            try:
+                await self.ctx.market.attach_ssh_key(instance_id, self.ctx.ssh_key.public)
+                return
+            except NotFound as e:
+                if (utcnow() - sent).total_seconds() >= visible_s:
+                    unknown = f"the new instance is still unknown to the marketplace: {e}"
+                    raise PhaseFailed("create", unknown, blacklist=False) from None
+            await asyncio.sleep(1.0)
 
     async def boot(self) -> None:
         self.instance = await wait_running(self.ctx, self.host, resuming=self.resume)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TypeVar
 
 import httpx
@@ -140,6 +140,17 @@ async def destroy_strays_of(ctx: Context, host: Host) -> None:
         await asyncio.sleep(2.0)
 
 
+async def destroy_known(ctx: Context, instance_id: int, create_sent_at: datetime | None) -> None:
+    """Destroy an instance by id. vast.ai's writes lag a create as its reads do: a "no such instance" inside
+    timeouts.instance_visible of the create may be one it does not know yet, so it is asked again until it
+    answers that it destroyed it or the window has passed (then "no such" means gone)."""
+    sent = as_utc(create_sent_at) if create_sent_at is not None else None
+    while not await ctx.market.destroy(instance_id):
+        if sent is None or (utcnow() - sent).total_seconds() >= ctx.settings.timeouts.instance_visible:
+            return
+        await asyncio.sleep(1.0)
+
+
 async def destroy_instance(
     ctx: Context, host: Host, final_state: HostState = HostState.DESTROYED, confirm_timeout_s: float = 60.0
 ) -> None:
@@ -149,7 +160,7 @@ async def destroy_instance(
     if final_state == HostState.DESTROYED:
         ctx.record.transition(host, HostState.DESTROYING)
     async with ctx.waits.on("market"):
-        await ctx.market.destroy(host.instance_id)
+        await destroy_known(ctx, host.instance_id, host.create_sent_at)
         failpoints.reach("mid_destroy")
         deadline = time.monotonic() + confirm_timeout_s
         while await ctx.market.get(host.instance_id) is not None:

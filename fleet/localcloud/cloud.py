@@ -211,7 +211,8 @@ class Cloud(Power, SshKeys):
 
     def _visible(self, inst: Instance, now: float) -> bool:
         """vast.ai's read path lags its create: a new instance is not shown or listed for a few seconds."""
-        return now - inst.created_at >= self.settings.read_lag_s
+        lag = self.faults.read_lag_s if self.faults.read_lag_s is not None else self.settings.read_lag_s
+        return now - inst.created_at >= lag
 
     def get(self, instance_id: int) -> dict[str, Any] | None:
         """Show one instance. Not yet visible: `{"instances": null}` or a 404. Destroyed: each form vast.ai
@@ -243,7 +244,7 @@ class Cloud(Power, SshKeys):
 
     def manage(self, instance_id: int, body: Any) -> dict[str, Any]:
         inst = self.state.instances.get(instance_id)
-        if inst is None:
+        if inst is None or not self._visible(inst, time.time()):  # writes lag a create as reads do
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.")
         if not isinstance(body, dict):
             raise ApiError(400, "invalid_args", "Invalid args: invalid json body")
@@ -274,7 +275,7 @@ class Cloud(Power, SshKeys):
         raise ApiError(400, "invalid_args", "Invalid args: nothing to change")
 
     async def destroy(self, instance_id: int) -> None:
-        if instance_id not in self.state.instances:
+        if (inst := self.state.instances.get(instance_id)) is None or not self._visible(inst, time.time()):
             raise ApiError(404, "no_such_instance", f"Instance {instance_id} not found.", shape=NO_SUCCESS)
         await self._forget(instance_id)
 

@@ -97,6 +97,8 @@ class Faults:
     destroy_refused: int = 0
     # machines whose instances' logs hold the platform's lines alone, none of the container's console
     logs_without_console: list[int] = field(default_factory=list)
+    # how long a new instance is unknown to reads and writes by id (None: the settings' 3 s)
+    read_lag_s: float | None = None
     search_quota_left: int | None = None  # searches left today (None: the default quota)
     slow: SlowAnswer | None = None
     pull_stall: PullStall | None = None
@@ -158,6 +160,7 @@ class Faults:
             create_error_with_contract=int(data.get("create_error_with_contract", 0)),
             destroy_refused=int(data.get("destroy_refused", 0)),
             logs_without_console=[int(x) for x in data.get("logs_without_console", [])],
+            read_lag_s=float(data["read_lag_s"]) if data.get("read_lag_s") is not None else None,
             search_quota_left=int(data["search_quota_left"]) if data.get("search_quota_left") is not None else None,
             slow=SlowAnswer(**data["slow"]) if data.get("slow") else None,
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,

@@ -27,6 +27,9 @@ class SshKeys:
     def host_for(self, inst: Instance) -> LocalHost:
         raise NotImplementedError
 
+    def _visible(self, inst: Instance, now: float) -> bool:
+        raise NotImplementedError
+
     def add_ssh_key(self, body: Any) -> dict[str, Any]:
         key = body.get("ssh_key") if isinstance(body, dict) else None
         if not isinstance(key, str) or not key.strip():
@@ -50,7 +53,7 @@ class SshKeys:
         """Put a key on one instance (vast.ai's POST /instances/{id}/ssh/: an instance_write permission, where
         an account key needs user_write); a running host gets it at once, a booting one from its init."""
         inst = self.state.instances.get(instance_id)
-        if inst is None:
+        if inst is None or not self._visible(inst, time.time()):  # writes lag a create as reads do
             raise ApiError(404, "not_found", "Not Found", shape=TEXT)
         key = body.get("ssh_key") if isinstance(body, dict) else None
         if not isinstance(key, str) or not SSH_KEY.match(key.strip()):

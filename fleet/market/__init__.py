@@ -74,6 +74,10 @@ class BadRequest(MarketError):
     """The marketplace refused our request as malformed."""
 
 
+class NotFound(MarketError):
+    """The marketplace knows no such instance: gone, or (its reads lag a create) not yet known to it."""
+
+
 @dataclass(frozen=True)
 class Offer:
     id: int
@@ -340,7 +344,7 @@ class Market(Protocol):
 
     async def attach_ssh_key(self, instance_id: int, public_key: str) -> None:
         """Put a public key on one instance (where the API key may not add one to the account). AuthError
-        when the key lacks instance_write."""
+        when the key lacks instance_write; NotFound when the marketplace does not know the instance (yet)."""
 
     async def logs(self, instance_id: int, tail: int = 200, wait_s: float = 30.0) -> str | None:
         """The last `tail` lines of the instance's logs (its console: what its PID 1 printed), as the marketplace
@@ -355,8 +359,10 @@ class Market(Protocol):
         it rents (vast.ai: `vastai show env-vars`); their values are never kept. None when the key may not read
         them."""
 
-    async def destroy(self, instance_id: int) -> None:
-        """Destroy the instance. Idempotent: an instance already gone is success."""
+    async def destroy(self, instance_id: int) -> bool:
+        """Destroy the instance. Idempotent: an instance already gone is success, answered False (True: it was
+        there and is destroyed). A new instance's writes lag its create as its reads do: False inside
+        `timeouts.instance_visible` of a create may be an instance the marketplace does not know yet."""
 
     async def stop(self, instance_id: int) -> None:
         """Stop the instance: its processes end and its GPU is released; its disk, and the weights on it,

@@ -25,6 +25,7 @@ from fleet.market import (
     InstanceSpec,
     Maintenance,
     MarketError,
+    NotFound,
     Offer,
     OfferGone,
     OfferQuery,
@@ -346,17 +347,19 @@ class VastMarket(AccountReads):
             return None
         return sorted(name[:64] for name in list(found)[:200] if isinstance(name, str) and name.isprintable())
 
-    async def destroy(self, instance_id: int) -> None:
-        """Destroy; an instance already gone is destroyed. An answer of `success: false` (HTTP 200) is a refusal
-        unless its error says there is no such instance (dstack reads it so): the instance may still bill."""
+    async def destroy(self, instance_id: int) -> bool:
+        """Destroy; an instance already gone is destroyed (False). An answer of `success: false` (HTTP 200) is a
+        refusal unless its error says there is no such instance (dstack reads it so): the instance may still
+        bill."""
         try:
             answer = await self._request("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", json={})
         except NotFound:
-            return
+            return False
         if isinstance(answer, dict) and answer.get("success") is False:
             if answer.get("error") in ("no_such_instance", "not_found"):
-                return
+                return False
             raise MarketError(f"instance {instance_id}: destroy refused: {message(answer)}")
+        return True
 
     async def stop(self, instance_id: int) -> None:
         await self._set_state(instance_id, "stopped")
@@ -369,7 +372,3 @@ class VastMarket(AccountReads):
         answer = await self._request("manage", "PUT", f"/api/v0/instances/{instance_id}/", json={"state": state})
         if isinstance(answer, dict) and answer.get("success") is False:
             raise MarketError(f"instance {instance_id}: {state} refused: {answer.get('msg') or answer.get('error')}")
-
-
-class NotFound(MarketError):
-    pass
