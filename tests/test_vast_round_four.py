@@ -1,6 +1,7 @@
 """vast.ai as it really is, round four (issue 46), on the strict local cloud: a wrong key that the search
 answers with a 404, a destroy answered `success: false`, an account whose answer names its `balance` and no
-`credit`, the create call's body as vast.ai's own SDK sends it, and writes by id inside a new instance's read lag."""
+`credit`, the create call's body as vast.ai's own SDK sends it, writes by id inside a new instance's read lag,
+and a stopped instance's GPU that another renter takes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fleet.market import AuthError, MarketError
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
 from tests.fleetkit import fleet_for, settings_for
-from tests.helpers import cheapest_offer, polite, rent, shown
+from tests.helpers import cheapest_offer, destroy, polite, rent, shown, wait_status
 
 
 @pytest.fixture(autouse=True)
@@ -96,3 +97,36 @@ async def test_writes_by_id_inside_a_new_instances_read_lag_are_not_found_and_fl
             assert str(instance_id) not in cloud.state()["instances"]
     finally:
         cloud.set_faults({})
+
+
+async def test_a_stopped_instance_holds_no_gpu_and_its_start_waits_while_another_renter_has_it(cloud):
+    """ "Stopped instances have no GPU reservation": the offer under a stopped instance is rentable again, anyone
+    may take it, and a start then waits in `scheduling` until that renter lets the GPU go."""
+    async with cloud.client() as api:
+        offer = await cheapest_offer(api)
+        mine = await rent(api, offer["id"], label="other:stopped")
+        others = None
+        try:
+            await wait_status(api, mine, "running", timeout_s=60)
+            r = await polite(api, "PUT", f"/api/v0/instances/{mine}/", json={"state": "stopped"})
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 60
+            while (row := await shown(api, mine)) is None or row["cur_state"] != "stopped":
+                assert time.monotonic() < deadline, row
+                await asyncio.sleep(0.5)
+            again = await cheapest_offer(api, machine_id={"eq": offer["machine_id"]})
+            assert again["id"] == offer["id"] and again["rentable"] is True
+            others = await rent(api, offer["id"], label="other:took-the-gpu")
+            await wait_status(api, others, "running", timeout_s=60)
+            r = await polite(api, "PUT", f"/api/v0/instances/{mine}/", json={"state": "running"})
+            assert r.status_code == 200, r.text
+            for _ in range(3):  # the other renter holds the GPU: no start
+                await asyncio.sleep(1.0)
+                assert (await shown(api, mine))["actual_status"] == "scheduling"
+            await destroy(api, others)
+            others = None
+            await wait_status(api, mine, "running", timeout_s=60)
+        finally:
+            if others is not None:
+                await destroy(api, others)
+            await destroy(api, mine)

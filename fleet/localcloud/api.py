@@ -61,7 +61,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         try:
             if vast:
                 await cloud.retire_expired()  # what vast.ai deletes in its own time, gone before any answer
-                if cloud.dice.fire(cloud.faults.rate_limit, path):
+                if cloud.dice.fire(cloud.faults.rate_limit, path, request.method):
                     after = cloud.faults.rate_limit.retry_after if cloud.faults.rate_limit else None
                     return web.Response(
                         status=429,
@@ -69,7 +69,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                         content_type="text/plain",
                         headers={"Retry-After": after} if after is not None else None,
                     )
-                if cloud.dice.fire(cloud.faults.server_error, path):
+                if cloud.dice.fire(cloud.faults.server_error, path, request.method):
                     status = cloud.faults.server_error.status if cloud.faults.server_error else 503
                     return web.Response(
                         status=status, text="Service Temporarily Unavailable", content_type="text/plain"

@@ -95,7 +95,8 @@ class Cloud(Power, SshKeys):
     def taken_gpu_ids(self) -> dict[int, set[int]]:
         taken: dict[int, set[int]] = {}
         for inst in self.state.instances.values():
-            taken.setdefault(inst.machine_id, set()).update(inst.offer.get("gpu_ids") or [])
+            if inst.cur_state != "stopped":  # "Stopped instances have no GPU reservation" (docker-environment)
+                taken.setdefault(inst.machine_id, set()).update(inst.offer.get("gpu_ids") or [])
         return taken
 
     def search(self, body: Any) -> list[dict[str, Any]]:

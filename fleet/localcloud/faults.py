@@ -19,8 +19,11 @@ class RequestFault:
     paths: list[str] = field(default_factory=list)  # path prefixes; empty = every API path
     status: int = 429
     retry_after: str | None = None  # a 429's Retry-After header, as given (any text: a marketplace's words)
+    methods: list[str] = field(default_factory=list)  # HTTP methods; empty = every method
 
-    def applies(self, path: str) -> bool:
+    def applies(self, path: str, method: str = "") -> bool:
+        if self.methods and method.upper() not in self.methods:
+            return False
         return not self.paths or any(path.startswith(p) for p in self.paths)
 
 
@@ -34,7 +37,7 @@ class SlowAnswer:
     paths: list[str] = field(default_factory=list)
     delay_s: float = 5.0
 
-    def applies(self, path: str) -> bool:
+    def applies(self, path: str, method: str = "") -> bool:
         return not self.paths or any(path.startswith(p) for p in self.paths)
 
 
@@ -193,8 +196,8 @@ class FaultDice:
     def __init__(self, seed: int = 7) -> None:
         self._rng = random.Random(seed)
 
-    def fire(self, fault: RequestFault | SlowAnswer | None, path: str) -> bool:
-        if fault is None or not fault.applies(path):
+    def fire(self, fault: RequestFault | SlowAnswer | None, path: str, method: str = "") -> bool:
+        if fault is None or not fault.applies(path, method):
             return False
         if fault.count > 0:
             fault.count -= 1

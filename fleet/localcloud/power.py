@@ -75,7 +75,7 @@ class Power(Booting):
         if inst.id not in self.state.instances or inst.intended_status != "running":
             return
         self._set_status(inst, "scheduling", "Scheduling instance: waiting for the machine's GPU")
-        while inst.machine_id in self.faults.gpu_taken:
+        while inst.machine_id in self.faults.gpu_taken or self._gpu_held_by_another(inst):
             await asyncio.sleep(0.2)
             if inst.id not in self.state.instances or inst.intended_status != "running":
                 return
@@ -86,6 +86,17 @@ class Power(Booting):
         if boot is not None:
             boot.set_name(f"boot-{inst.id}")  # a stop now waits for this boot, as for the first one
         await self._boot(inst, restart=True)
+
+    def _gpu_held_by_another(self, inst: Instance) -> bool:
+        """Another instance (anyone's) holds a GPU of this stopped one's: it rented the machine meanwhile."""
+        wanted = set(inst.offer.get("gpu_ids") or [])
+        return any(
+            other.id != inst.id
+            and other.machine_id == inst.machine_id
+            and other.cur_state != "stopped"
+            and wanted & set(other.offer.get("gpu_ids") or [])
+            for other in self.state.instances.values()
+        )
 
     async def retire_expired(self) -> None:
         """vast.ai: "Expired instances may be deleted 48 hours after expiration" (the harder reading: they are,

@@ -131,7 +131,8 @@ async def test_a_destroy_that_fails_leaves_the_host_for_reconcile_to_finish(clou
     settings = with_variant(settings, "tiny-broken", extra_args=["--no-such-flag"])
     async with fleet_for(settings) as fleet:
         # the server will not start, and every destroy answers 503 (beyond the client's retries)
-        cloud.set_faults({"server_error": {"count": 1000, "status": 503, "paths": ["/api/v0/instances/"]}})
+        destroys = {"count": 1000, "status": 503, "paths": ["/api/v0/instances/"], "methods": ["DELETE"]}
+        cloud.set_faults({"server_error": destroys})
         try:
             result = await fleet.up(UpRequest("tiny-broken", "eu"))
         finally:
