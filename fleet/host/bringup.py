@@ -28,7 +28,7 @@ from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.engines.registry import engine_of
-from fleet.host import addresses, certificate, hostkey, templates
+from fleet.host import addresses, certificate, hostkey, ports, templates
 from fleet.host import ops as hostops
 from fleet.host.instance import image_pull_s, wait_running, wait_stopped
 from fleet.host.measure import probe_host
@@ -261,6 +261,11 @@ class BringUp:
         except RemoteError as e:
             raise PhaseFailed("connect", str(e)) from None
         self.ctx.record.update(self.host, ssh_host=endpoint[0], ssh_port=endpoint[1], connected_at=utcnow())
+        try:
+            async with self.ctx.waits.on("ssh"):
+                await ports.check_service_port(self.conn, service[0], service[1], SERVICE_PORT)
+        except ports.PortUnreachable as e:
+            raise PhaseFailed("connect", str(e)) from None  # the machine's ports: blamed before a pull is paid
         then = "checking the weights it kept" if self.resume else "pulling weights"
         self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); {then}")
 

@@ -92,7 +92,7 @@ async def run(
     read up to MAX_OUTPUT a stream, within `timeout_s` in all: a host that floods or drips is an error."""
     try:
         async with asyncio.timeout(timeout_s):
-            process = await _start(conn, argv, stdin)
+            process = await start_process(conn, argv, stdin)
             try:
                 stdout, stderr = await asyncio.gather(
                     _read_capped(process.stdout, argv[0]), _read_capped(process.stderr, argv[0])
@@ -118,12 +118,12 @@ async def run_streaming(
 ) -> str:
     """Run argv, calling on_line for each stdout line (none longer than MAX_LINE); return the last line.
     RemoteError on failure."""
-    process = await _start(conn, argv, stdin)
+    process = await start_process(conn, argv, stdin)
     try:
         errors_read = asyncio.ensure_future(_read_capped(process.stderr, argv[0]))
         last = ""
         try:
-            async for line in _lines(process.stdout, argv[0]):
+            async for line in lines_of(process.stdout, argv[0]):
                 if not line:
                     continue
                 last = line
@@ -144,8 +144,11 @@ async def run_streaming(
     return last
 
 
-async def _start(conn: asyncssh.SSHClientConnection, argv: list[str], stdin: str | None) -> asyncssh.SSHClientProcess:
-    # text, with bytes that are not UTF-8 replaced: what a host prints is never trusted to be well formed
+async def start_process(
+    conn: asyncssh.SSHClientConnection, argv: list[str], stdin: str | None
+) -> asyncssh.SSHClientProcess:
+    """argv started on the host (shlex-joined), `stdin` written to it and closed. Its output is text, with
+    bytes that are not UTF-8 replaced: what a host prints is never trusted to be well formed."""
     process = await conn.create_process(
         shlex.join(argv), stdin=asyncssh.PIPE if stdin is not None else asyncssh.DEVNULL, errors="replace"
     )
@@ -166,7 +169,8 @@ async def _read_capped(stream: asyncssh.SSHReader, what: str) -> str:
     return "".join(parts)
 
 
-async def _lines(stream: asyncssh.SSHReader, what: str) -> AsyncIterator[str]:
+async def lines_of(stream: asyncssh.SSHReader, what: str) -> AsyncIterator[str]:
+    """A host's output line by line; RemoteError for a line over MAX_LINE."""
     pending = ""
     while chunk := await stream.read(65536):
         pending += chunk

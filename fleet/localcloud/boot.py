@@ -252,10 +252,11 @@ class Booting:
     def _network(self, inst: Instance) -> network.HostNetwork:
         if inst.id not in self._networks:
             targets = inst.targets()
+            unreachable = inst.machine_id in self.faults.unreachable_ports  # listed, and leading nowhere
             mappings = [
                 network.Mapping(network.PUBLIC_HOST, external, inst.private_ip, targets[key])
                 for key, external in inst.ports.items()
-                if key.endswith("/tcp")
+                if key.endswith("/tcp") and not (unreachable and key != "22/tcp")
             ]
             if inst.ssh_mode:
                 mappings.append(

@@ -122,6 +122,9 @@ class Faults:
     expired_kept_s: float | None = None
     # machines whose sshd never takes the host key fleet-host-key installs and announces: someone else answers
     foreign_host_key: list[int] = field(default_factory=list)
+    # machines whose listed ports, but SSH's, lead nowhere: nothing answers there (SkyPilot: direct ports listed
+    # and unreachable)
+    unreachable_ports: list[int] = field(default_factory=list)
     # machines on whose console someone else announces a host key of theirs before onstart announces the host's
     forged_host_key: list[int] = field(default_factory=list)
     freeze_server: list[int] = field(
@@ -176,6 +179,7 @@ class Faults:
             renter_reads_maintenances=bool(data.get("renter_reads_maintenances", False)),
             foreign_host_key=[int(x) for x in data.get("foreign_host_key", [])],
             forged_host_key=[int(x) for x in data.get("forged_host_key", [])],
+            unreachable_ports=[int(x) for x in data.get("unreachable_ports", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
             missing_images=[str(x) for x in data.get("missing_images", [])],

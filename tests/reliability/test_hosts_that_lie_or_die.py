@@ -103,9 +103,10 @@ async def test_a_server_that_never_answers_health(cloud, tmp_path):
 
 
 async def test_a_listing_that_names_another_hosts_place_gets_no_certificate_there(cloud, tmp_path):
-    """A machine whose listing names the ports of a host fleet already serves on: fleet's CA signs nothing for
-    that place (the liar's certificate would name it), the machine is left for the next offer, and the host that
-    serves there is untouched."""
+    """A machine whose listing names the ports of a host fleet already serves on: its port check reaches the
+    other host, which answers with its own certificate, so the machine is refused before a pull, and fleet's CA
+    signs nothing for that place (the liar's certificate would name it; `certificate.refuse_held` stays behind
+    the check); the machine is left for the next offer, and the host that serves there is untouched."""
     settings = settings_for(tmp_path)
     async with fleet_for(settings) as fleet:
         first = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
@@ -115,7 +116,26 @@ async def test_a_listing_that_names_another_hosts_place_gets_no_certificate_ther
             result = await fleet.up(UpRequest("tiny", "eu"))
         finally:
             cloud.set_faults({})
-        await assert_next_offer_served(fleet, result, machine, "start", f"where host {first.name} serves", 60)
+        await assert_next_offer_served(fleet, result, machine, "connect", "answers with another certificate", 60)
+        refused = fleet.record.hosts(names=[result.attempts[0].host])[0]
+        assert refused.api_url is None and refused.pulled_at is None  # no certificate, no pull
         [smoke] = await fleet.probe(first.name, only=["smoke"])
         assert smoke.passed, smoke.diagnosis
+        await fleet.destroy(None)
+
+
+async def test_a_machine_whose_listed_ports_lead_nowhere_is_refused_before_the_pull(cloud, tmp_path):
+    """Direct ports listed and unreachable (SkyPilot meets them): the host's port check, through the listed
+    service port, gets no answer, so the machine is blamed before a byte of the weights is paid for."""
+    settings = settings_for(tmp_path)
+    async with fleet_for(settings) as fleet:
+        machine = await first_machine(settings)
+        cloud.set_faults({"unreachable_ports": [machine]})
+        try:
+            result = await fleet.up(UpRequest("tiny", "eu"))
+        finally:
+            cloud.set_faults({})
+        await assert_next_offer_served(fleet, result, machine, "connect", "does not lead to the host", 120)
+        refused = fleet.record.hosts(names=[result.attempts[0].host])[0]
+        assert refused.pulled_at is None and not refused.pulled_bytes
         await fleet.destroy(None)
