@@ -16,6 +16,7 @@ from aiohttp import web
 from fleet.engines.metrics import requests_in_flight
 from fleet.engines.replies import Timings
 from fleet.localcloud import tinyhf, toolchain
+from fleet.localcloud.apierror import ApiError
 from fleet.localcloud.cloud import Cloud
 from fleet.localcloud.hosts import VLLM_HOST_SCRIPTS
 from fleet.localcloud.server import DEFAULT_OFFERS_DIR
@@ -208,7 +209,12 @@ def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_
             monkeypatch.setenv("FLEET_CACHE_DIR", real_cache)  # scripts/setup-vllm has finished since
             taken = cloud.state.instances[cloud.create(cloud.offers[1]["id"], body)]
             assert taken.pull_error is None and cloud.settings.vllm_python == installed
-            await cloud.destroy(taken.id)
+            for _ in range(100):  # a destroy inside the create's read lag finds no such instance yet
+                try:
+                    await cloud.destroy(taken.id)
+                    break
+                except ApiError:
+                    await asyncio.sleep(0.1)
         finally:
             await cloud.shutdown()
 

@@ -25,7 +25,7 @@ from fleet.market import Market, MarketError
 
 ANNOUNCED = re.compile(r"(?:^|\s)fleet-host-key: (ssh-ed25519 [A-Za-z0-9+/]{40,100}={0,2})\s*$")
 LOG_LINES = 1000  # the tail of the logs read: the announcement is among the container's first lines
-POLL_S = 2.0
+POLL_S = 1.0
 
 
 class HostKeyUnknown(FleetError):

@@ -95,5 +95,5 @@ class AccountReads:
                             return body[:LOG_BYTES].decode("utf-8", "replace")
                 except httpx.TransportError:
                     pass
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.5)  # a bucket's URL, no API call: no interval to keep
         return None

@@ -60,9 +60,14 @@ def slow_hub_cloud(tmp_path: Path, llama_server, monkeypatch) -> CloudHandle:
 async def test_a_host_that_goes_offline_mid_pull(slow_hub_cloud, tmp_path):
     settings = settings_for(tmp_path, up={"pull_connections": 1})
     machine = await first_machine(settings)
-    slow_hub_cloud.set_faults({"offline_after_s": {str(machine): 4.0}})
     async with fleet_for(settings) as fleet:
-        result = await fleet.up(UpRequest("tiny", "eu"))
+        up = asyncio.create_task(fleet.up(UpRequest("tiny", "eu")))
+        # offline once its pull is under way, however long the steps before it took on this machine
+        while not any(h.machine_id == machine and h.state == HostState.PULLING for h in fleet.record.hosts()):
+            assert not up.done(), up.result()
+            await asyncio.sleep(0.05)
+        slow_hub_cloud.set_faults({"offline_after_s": {str(machine): 0.0}})
+        result = await up
         await assert_next_offer_served(fleet, result, machine, "pull", "", within_s=settings.timeouts.pull)
         await fleet.destroy(None)
     async with slow_hub_cloud.client() as api:
