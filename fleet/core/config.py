@@ -71,6 +71,7 @@ class Timeouts(Strict):
     heartbeat_gap: Annotated[float, Field(gt=0)] = 120
     ssh: Annotated[float, Field(gt=0)] = 120
     host_key: Annotated[float, Field(gt=0)] = 180  # a new host's key announced in its logs, read till then
+    port_check: Annotated[float, Field(gt=0)] = 30  # the listed service port answering the host's check
     pull: Annotated[float, Field(gt=0)] = 3600
     pull_stall: Annotated[float, Field(gt=0)] = 120  # a pull whose bytes stop growing this long fails then
     # On a slow link the pull may take longer than `pull`: as long as the files need at this share of the

@@ -263,7 +263,9 @@ class BringUp:
         self.ctx.record.update(self.host, ssh_host=endpoint[0], ssh_port=endpoint[1], connected_at=utcnow())
         try:
             async with self.ctx.waits.on("ssh"):
-                await ports.check_service_port(self.conn, service[0], service[1], SERVICE_PORT)
+                await ports.check_service_port(
+                    self.conn, service[0], service[1], SERVICE_PORT, self.ctx.settings.timeouts.port_check
+                )
         except ports.PortUnreachable as e:
             raise PhaseFailed("connect", str(e)) from None  # the machine's ports: blamed before a pull is paid
         then = "checking the weights it kept" if self.resume else "pulling weights"

@@ -18,7 +18,6 @@ import asyncssh
 from fleet.core.errors import FleetError
 from fleet.host.remote import RemoteError, lines_of, start_process
 
-CHECK_S = 30.0  # how long the host's listener waits for fleet's request
 MAX_ANSWER = 4096
 
 
@@ -29,7 +28,7 @@ class PortUnreachable(FleetError):
 
 
 async def check_service_port(
-    conn: asyncssh.SSHClientConnection, address: str, port: int, container_port: int, timeout_s: float = CHECK_S
+    conn: asyncssh.SSHClientConnection, address: str, port: int, container_port: int, timeout_s: float
 ) -> None:
     """The host's answer on `container_port`, read at `address`:`port`; PortUnreachable when it never comes."""
     nonce = secrets.token_hex(16)

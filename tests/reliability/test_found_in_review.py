@@ -113,7 +113,11 @@ async def test_reconcile_leaves_a_draining_host_to_the_process_draining_it(cloud
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True}
         async with fleet.server(host).client(timeout=60) as client:
             call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-            await asyncio.sleep(0.5)  # the call is in flight: the drain waits for it
+            # the call in flight by the server's own count, as the drain reads it (a fixed 0.5 s once let a busy
+            # machine's drain find none and destroy the host at once)
+            while requests_in_flight((await client.get("/metrics")).text) != 1:
+                assert not call.done(), call.result()
+                await asyncio.sleep(0.05)
             retiring = asyncio.create_task(rotation.retire(fleet, host, "test", blacklist=False))
             await wait_state(fleet, host.name, (HostState.DRAINING,))
             reconciled = await asyncio.to_thread(cli, tmp_path, cloud, "reconcile", "--json")

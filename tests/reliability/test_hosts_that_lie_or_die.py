@@ -132,7 +132,7 @@ async def test_a_listing_that_names_another_hosts_place_gets_no_certificate_ther
 async def test_a_machine_whose_listed_ports_lead_nowhere_is_refused_before_the_pull(cloud, tmp_path):
     """Direct ports listed and unreachable (SkyPilot meets them): the host's port check, through the listed
     service port, gets no answer, so the machine is blamed before a byte of the weights is paid for."""
-    settings = settings_for(tmp_path)
+    settings = settings_for(tmp_path, timeouts={"port_check": 8})
     async with fleet_for(settings) as fleet:
         machine = await first_machine(settings)
         cloud.set_faults({"unreachable_ports": [machine]})
@@ -140,7 +140,7 @@ async def test_a_machine_whose_listed_ports_lead_nowhere_is_refused_before_the_p
             result = await fleet.up(UpRequest("tiny", "eu"))
         finally:
             cloud.set_faults({})
-        await assert_next_offer_served(fleet, result, machine, "connect", "does not lead to the host", 120)
+        await assert_next_offer_served(fleet, result, machine, "connect", "does not lead to the host within 8s", 120)
         refused = fleet.record.hosts(names=[result.attempts[0].host])[0]
         assert refused.pulled_at is None and not refused.pulled_bytes
         await fleet.destroy(None)
