@@ -5,6 +5,7 @@ every reader of the instance); logs that announce two keys, or none, bring no co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -51,70 +52,62 @@ async def test_the_first_ssh_connection_is_pinned_to_the_key_the_host_announced_
             await fleet.destroy(None)
 
 
-async def test_a_host_that_answers_ssh_with_another_key_at_first_contact_is_refused(cloud, tmp_path):
-    settings = settings_for(tmp_path, timeouts={"ssh": 20})
+@contextlib.asynccontextmanager
+async def refused_at_connect(cloud, tmp_path, fault: str, **sections):
+    """`fleet up` with `fault` on the machine it would rent first: that machine fails at connect and the next
+    serves. Yields the fleet, the machine and its failed attempt; destroys everything after."""
+    settings = settings_for(tmp_path, **sections)
     machine = await first_machine(settings)
-    cloud.set_faults({"foreign_host_key": [machine]})  # someone else answers its SSH from the start
+    cloud.set_faults({fault: [machine]})
     try:
         async with fleet_for(settings) as fleet:
             result = await fleet.up(UpRequest("tiny", "eu"))
             try:
                 failed, ready = result.attempts
-                assert (failed.machine_id, failed.phase) == (machine, "connect")
-                assert "a host key other than the pinned one" in failed.reason
+                assert (failed.machine_id, failed.phase) == (machine, "connect"), failed
                 assert ready.outcome == "ready" and ready.machine_id != machine
-                assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
+                yield fleet, machine, failed
             finally:
                 await fleet.destroy(None)
     finally:
         cloud.set_faults({})
+
+
+async def test_a_host_that_answers_ssh_with_another_key_at_first_contact_is_refused(cloud, tmp_path):
+    # someone else answers its SSH from the start
+    async with refused_at_connect(cloud, tmp_path, "foreign_host_key", timeouts={"ssh": 20}) as (
+        fleet,
+        machine,
+        failed,
+    ):
+        assert "a host key other than the pinned one" in failed.reason
+        assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
 
 
 async def test_logs_that_announce_two_keys_bring_no_connection_and_blame_the_machine(cloud, tmp_path):
     """Another key is announced on the host's console before the host's own. fleet reads both and pins neither,
     or, reading between the two lines, pins the other one and the host's sshd never presents it: either way no
     connection is made and the machine is blamed."""
-    settings = settings_for(tmp_path, timeouts={"ssh": 15})
-    machine = await first_machine(settings)
-    cloud.set_faults({"forged_host_key": [machine]})
-    try:
-        async with fleet_for(settings) as fleet:
-            result = await fleet.up(UpRequest("tiny", "eu"))
-            try:
-                failed, ready = result.attempts
-                assert (failed.machine_id, failed.phase) == (machine, "connect")
-                assert (
-                    "announce 2 different SSH host keys" in failed.reason
-                    or "a host key other than the pinned one" in failed.reason
-                ), failed.reason
-                [refused] = [h for h in fleet.record.hosts() if h.machine_id == machine]
-                assert refused.connected_at is None
-                assert ready.outcome == "ready" and ready.machine_id != machine
-                assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
-            finally:
-                await fleet.destroy(None)
-    finally:
-        cloud.set_faults({})
+    async with refused_at_connect(cloud, tmp_path, "forged_host_key", timeouts={"ssh": 15}) as (fleet, machine, failed):
+        assert (
+            "announce 2 different SSH host keys" in failed.reason
+            or "a host key other than the pinned one" in failed.reason
+        ), failed.reason
+        [refused] = [h for h in fleet.record.hosts() if h.machine_id == machine]
+        assert refused.connected_at is None
+        assert [b.machine_id for b in fleet.record.blacklist()] == [machine]
 
 
 async def test_logs_that_never_announce_a_key_fail_the_host_and_blame_no_machine(cloud, tmp_path):
-    settings = settings_for(tmp_path, timeouts={"host_key": 6})
-    machine = await first_machine(settings)
-    cloud.set_faults({"logs_without_console": [machine]})  # its logs hold the platform's lines alone
-    try:
-        async with fleet_for(settings) as fleet:
-            result = await fleet.up(UpRequest("tiny", "eu"))
-            try:
-                failed, ready = result.attempts
-                assert (failed.machine_id, failed.phase) == (machine, "connect")
-                assert "announced no SSH host key within 6s" in failed.reason, failed.reason
-                assert "timeouts.host_key" in failed.reason
-                assert ready.outcome == "ready" and ready.machine_id != machine
-                assert fleet.record.blacklist() == []  # the marketplace's logs may be at fault as much
-            finally:
-                await fleet.destroy(None)
-    finally:
-        cloud.set_faults({})
+    # its logs hold the platform's lines alone
+    async with refused_at_connect(cloud, tmp_path, "logs_without_console", timeouts={"host_key": 6}) as (
+        fleet,
+        _,
+        failed,
+    ):
+        assert "announced no SSH host key within 6s" in failed.reason, failed.reason
+        assert "timeouts.host_key" in failed.reason
+        assert fleet.record.blacklist() == []  # the marketplace's logs may be at fault as much
 
 
 @pytest.mark.parametrize(
