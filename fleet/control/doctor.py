@@ -154,7 +154,7 @@ async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, imag
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: Ctrl-C cancels as usual
         caught = False
     try:
-        await _watch(ctx, report, instance_id, token, watch_s, stop)
+        await _watch(ctx, report, instance_id, watch_s, stop)
     finally:
         if caught:
             loop.remove_signal_handler(signal.SIGINT)
@@ -162,9 +162,7 @@ async def _rent_and_watch(ctx: Context, report: DoctorReport, offer: Offer, imag
     report.interrupted = stop.is_set()
 
 
-async def _watch(
-    ctx: Context, report: DoctorReport, instance_id: int, token: str, watch_s: float, stop: asyncio.Event
-) -> None:
+async def _watch(ctx: Context, report: DoctorReport, instance_id: int, watch_s: float, stop: asyncio.Event) -> None:
     started = time.monotonic()
     held, seen = True, "attached"
     try:

@@ -25,12 +25,12 @@ from fleet.context import Context
 from fleet.core import failpoints, tls
 from fleet.core.apikeys import new_nonce
 from fleet.core.config import ConfigError, Profile, Provider
-from fleet.core.models import Host, HostState, as_utc, utcnow
+from fleet.core.models import Host, HostState, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.engines.registry import engine_of
 from fleet.host import addresses, certificate, hostkey, ports, templates
 from fleet.host import ops as hostops
-from fleet.host.instance import image_pull_s, wait_running, wait_stopped
+from fleet.host.instance import image_pull_s, inside_read_lag, wait_running, wait_stopped
 from fleet.host.measure import probe_host
 from fleet.host.payloads import payload_of, pull_deadline
 from fleet.host.phase import PhaseFailed
@@ -210,14 +210,12 @@ class BringUp:
     async def attach_key(self, instance_id: int) -> None:
         """fleet's SSH key onto the new instance. Its writes lag its create as its reads do: a "not found"
         inside timeouts.instance_visible of the create is asked again."""
-        visible_s = self.ctx.settings.timeouts.instance_visible
-        sent = as_utc(self.host.create_sent_at or utcnow())
         while True:
             try:
                 await self.ctx.market.attach_ssh_key(instance_id, self.ctx.ssh_key.public)
                 return
             except NotFound as e:
-                if (utcnow() - sent).total_seconds() >= visible_s:
+                if not inside_read_lag(self.ctx, self.host.create_sent_at):
                     unknown = f"the new instance is still unknown to the marketplace: {e}"
                     raise PhaseFailed("create", unknown, blacklist=False) from None
             await asyncio.sleep(1.0)

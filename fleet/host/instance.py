@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
 from fleet.context import Context
 from fleet.core.config import Timeouts
-from fleet.core.models import Host
+from fleet.core.models import Host, as_utc, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.host.phase import PhaseFailed
 from fleet.market import HEARTBEAT_LOST, Instance
+
+
+def inside_read_lag(ctx: Context, create_sent_at: datetime | None) -> bool:
+    """Whether a "no such instance" may still be the marketplace's lag: its reads, and its writes by id, may
+    not know a new instance for timeouts.instance_visible after its create left. False when no create is known."""
+    if create_sent_at is None:
+        return False
+    return (utcnow() - as_utc(create_sent_at)).total_seconds() < ctx.settings.timeouts.instance_visible
 
 
 async def wait_stopped(ctx: Context, host: Host) -> None:

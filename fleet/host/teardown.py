@@ -24,6 +24,7 @@ from fleet.economics.bill import accrued_usd
 from fleet.engines.metrics import requests_in_flight
 from fleet.host.attempts import end_attempt
 from fleet.host.endpoints import publish
+from fleet.host.instance import inside_read_lag
 from fleet.market import MarketError
 from fleet.probes.server import ReplyTooLarge, bounded
 
@@ -144,9 +145,8 @@ async def destroy_known(ctx: Context, instance_id: int, create_sent_at: datetime
     """Destroy an instance by id. vast.ai's writes lag a create as its reads do: a "no such instance" inside
     timeouts.instance_visible of the create may be one it does not know yet, so it is asked again until it
     answers that it destroyed it or the window has passed (then "no such" means gone)."""
-    sent = as_utc(create_sent_at) if create_sent_at is not None else None
     while not await ctx.market.destroy(instance_id):
-        if sent is None or (utcnow() - sent).total_seconds() >= ctx.settings.timeouts.instance_visible:
+        if not inside_read_lag(ctx, create_sent_at):
             return
         await asyncio.sleep(1.0)
 

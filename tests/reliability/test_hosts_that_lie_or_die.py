@@ -22,6 +22,15 @@ def _local_cloud(local_cloud_env):
     yield
 
 
+async def up_under(cloud, fleet, faults: dict):
+    """`fleet up` of one tiny host with `faults` set on the local cloud, cleared after."""
+    cloud.set_faults(faults)
+    try:
+        return await fleet.up(UpRequest("tiny", "eu"))
+    finally:
+        cloud.set_faults({})
+
+
 async def assert_next_offer_served(fleet, result, machine: int, phase: str, words: str, within_s: float) -> None:
     failed, ready = result.attempts
     assert (failed.machine_id, failed.phase) == (machine, phase) and words in failed.reason, failed
@@ -116,11 +125,7 @@ async def test_a_listing_that_names_another_hosts_place_gets_no_certificate_ther
     async with fleet_for(settings) as fleet:
         first = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         machine = await first_machine(settings)  # the next machine fleet would rent
-        cloud.set_faults({"lying_ports": {machine: first.instance_id}})
-        try:
-            result = await fleet.up(UpRequest("tiny", "eu"))
-        finally:
-            cloud.set_faults({})
+        result = await up_under(cloud, fleet, {"lying_ports": {machine: first.instance_id}})
         await assert_next_offer_served(fleet, result, machine, "connect", "answers with another certificate", 60)
         refused = fleet.record.hosts(names=[result.attempts[0].host])[0]
         assert refused.api_url is None and refused.pulled_at is None  # no certificate, no pull
@@ -135,11 +140,7 @@ async def test_a_machine_whose_listed_ports_lead_nowhere_is_refused_before_the_p
     settings = settings_for(tmp_path, timeouts={"port_check": 8})
     async with fleet_for(settings) as fleet:
         machine = await first_machine(settings)
-        cloud.set_faults({"unreachable_ports": [machine]})
-        try:
-            result = await fleet.up(UpRequest("tiny", "eu"))
-        finally:
-            cloud.set_faults({})
+        result = await up_under(cloud, fleet, {"unreachable_ports": [machine]})
         await assert_next_offer_served(fleet, result, machine, "connect", "does not lead to the host within 8s", 120)
         refused = fleet.record.hosts(names=[result.attempts[0].host])[0]
         assert refused.pulled_at is None and not refused.pulled_bytes
