@@ -187,6 +187,7 @@ class Context:
                 create_timeout_s=provider.create_timeout_s,
                 budget=InstallBudget(self.record, endpoint.url, provider.request_timeout_s),
                 rate_limited_wait_s=provider.rate_limited_wait_s,
+                attempts=provider.error_attempts,
             )
             self._hub_url = self._hub_url or self.settings.hub_url(endpoint.local_cloud_url).rstrip("/")
         return self._market

@@ -47,6 +47,9 @@ class Provider(Strict):
     # how long one request waits out the marketplace's 429s (Retry-After honoured) before it fails; a bring-up
     # phase's own deadline ends the wait sooner, and blames no machine for it
     rate_limited_wait_s: Annotated[float, Field(gt=0, le=3600)] = 600
+    # how many times a request the marketplace answered 5xx (or whose connection broke) is sent, waiting 0.5 s
+    # and twice as long each time after, up to 30 s: 8 tries give up after about a minute
+    error_attempts: Annotated[int, Field(ge=1, le=20)] = 8
     # the images' compressed sizes: every new instance pulls its image at its machine's link (vast.ai: loading
     # "can take hours with slow internet/large images") and pays for the bytes; the boot's deadline grows with it
     image_gb: Annotated[float, Field(ge=0, le=200)] = 5.0

@@ -131,7 +131,8 @@ async def test_reconcile_leaves_a_draining_host_to_the_process_draining_it(cloud
 
 
 async def test_a_destroy_that_fails_leaves_the_host_for_reconcile_to_finish(cloud, tmp_path):
-    settings = settings_for(tmp_path, up={"max_attempts": 1})
+    # three tries of each destroy (1.5 s of backoff), not the shipped minute: the fault outlasts any number
+    settings = settings_for(tmp_path, up={"max_attempts": 1}, provider={"error_attempts": 3})
     settings = with_variant(settings, "tiny-broken", extra_args=["--no-such-flag"])
     async with fleet_for(settings) as fleet:
         # the server will not start, and every destroy answers 503 (beyond the client's retries)
