@@ -160,7 +160,9 @@ async def destroy_instance(
     if final_state == HostState.DESTROYED:
         ctx.record.transition(host, HostState.DESTROYING)
     async with ctx.waits.on("market"):
-        await destroy_known(ctx, host.instance_id, host.create_sent_at)
+        # an instance the marketplace has listed running is known to its writes: "no such" then means gone (a
+        # host destroyed behind fleet's back was asked again for the rest of the window, 40 s in a sweep)
+        await destroy_known(ctx, host.instance_id, None if host.running_at else host.create_sent_at)
         failpoints.reach("mid_destroy")
         deadline = time.monotonic() + confirm_timeout_s
         while await ctx.market.get(host.instance_id) is not None:
