@@ -15,27 +15,15 @@ from typing import Any
 from fleet.app import Fleet, open_fleet
 from fleet.core import config
 from fleet.engines import registry
-from fleet.localcloud.state import CloudSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# The local cloud pulls an image on a clock 100 times fast (a 5 GB image at 1.6 Gbit/s: 1 s, not 100): fleet waits
-# for its images as that clock has them, or each machine a test leaves stuck loading is waited for a real pull's
-# minutes. A test of the pull allowance itself names its image's size.
-IMAGE_SCALE = CloudSettings.pull_time_scale
-
-
-def _images_at_cloud_clock(provider: dict[str, Any]) -> dict[str, Any]:
-    return {key: provider[key] * IMAGE_SCALE for key in ("image_gb", "vllm_image_gb")}
 
 
 def settings_for(tmp: Path, **sections: dict[str, Any]) -> config.Settings:
-    """The repo's fleet.toml, with the database in `tmp`, its images at the local cloud's clock and any section's
-    keys overridden."""
+    """The repo's fleet.toml, with the database in `tmp` and any section's keys overridden."""
     base = registry.load(ROOT / "fleet.toml")
-    provider = base.provider.model_copy(update=_images_at_cloud_clock(base.provider.model_dump()))
     update: dict[str, Any] = {
         "database": config.Database(path=str(tmp / "fleet.db")),
-        "provider": provider.model_copy(update=sections.pop("provider", {})),
         "rotation": base.rotation.model_copy(
             update={"endpoints_file": str(tmp / "endpoints.json"), **sections.pop("rotation", {})}
         ),
@@ -152,14 +140,9 @@ def write_toml(path: Path, data: dict[str, Any]) -> Path:
 def config_data(tmp: Path, extra: str = "", **sections: Any) -> dict[str, Any]:
     """The repo's fleet.toml as data, with the database and the endpoints file in `tmp`; then `extra` (TOML
     text) and each section's keys laid over it (`merged`: [[serve]] tables given replace the shipped one)."""
-    shipped = tomllib.loads((ROOT / "fleet.toml").read_text())
     data = merged(
-        shipped,
-        {
-            "database": {"path": f"{tmp}/fleet.db"},
-            "rotation": {"endpoints_file": f"{tmp}/endpoints.json"},
-            "provider": _images_at_cloud_clock(shipped["provider"]),
-        },
+        tomllib.loads((ROOT / "fleet.toml").read_text()),
+        {"database": {"path": f"{tmp}/fleet.db"}, "rotation": {"endpoints_file": f"{tmp}/endpoints.json"}},
     )
     return merged(merged(data, tomllib.loads(extra)), sections)
 

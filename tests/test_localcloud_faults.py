@@ -139,7 +139,7 @@ async def test_decode_sag_slows_the_llama_server_over_time(cloud, api, ssh_keypa
     await api.post("/api/v0/ssh/", json={"ssh_key": ssh_keypair[1]})
     offer = await cheapest_offer(api)
     cloud.set_faults(
-        {"decode_sag": {str(offer["machine_id"]): {"start_after_s": 3.0, "ramp_s": 2.0, "max_stop_share": 0.8}}}
+        {"decode_sag": {str(offer["machine_id"]): {"start_after_s": 8.0, "ramp_s": 2.0, "max_stop_share": 0.8}}}
     )
     instance_id = await rent(api, offer["id"])
     try:
@@ -153,9 +153,10 @@ async def test_decode_sag_slows_the_llama_server_over_time(cloud, api, ssh_keypa
             await conn.run(shlex.join([*serve, "-t", "1"]), input="k\n", check=True)
         async with httpx.AsyncClient(base_url=f"http://{public_ip}:{port}", timeout=30) as client:
             await wait_health(client)
-            assert time.monotonic() - started < 2.5, "too slow to measure the cold rate before the sag"
+            # the pull and the start take 1-2 s on a quiet machine, several with five test files beside them
+            assert time.monotonic() - started < 7.5, "too slow to measure the cold rate before the sag"
             cold = await decode_rate(client, "k")
-            await asyncio.sleep(max(0.0, 5.5 - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, 10.5 - (time.monotonic() - started)))
             hot = min([await decode_rate(client, "k") for _ in range(3)])
         assert hot < 0.6 * cold, (cold, hot)
     finally:

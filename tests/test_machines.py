@@ -91,7 +91,8 @@ def test_a_machines_record_is_made_from_its_hosts_runs_and_blacklistings():
 async def test_fleet_remembers_the_machine_that_failed_and_the_one_that_served(cloud, local_cloud_env, tmp_path):
     stuck = (await ranked_offers(settings_for(tmp_path)))[0]
     cloud.set_faults({"stuck_loading": [stuck.machine_id]})
-    settings = settings_for(tmp_path, timeouts={"create_to_running": 15.0})
+    # fleet is told the image is empty: no pull allowance beyond create_to_running (the cloud pulls in seconds)
+    settings = settings_for(tmp_path, timeouts={"create_to_running": 15.0}, provider={"image_gb": 0.0})
     async with fleet_for(settings) as fleet:
         served = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
         try:

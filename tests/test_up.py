@@ -95,7 +95,9 @@ async def test_host_stuck_in_loading_is_destroyed_blacklisted_and_replaced(cloud
     settings = settings_for(tmp_path)
     stuck = (await ranked_offers(settings))[0]
     cloud.set_faults({"stuck_loading": [stuck.machine_id]})
+    # fleet is told the image is empty: no pull allowance beyond create_to_running (the cloud pulls in seconds)
     settings = settings_for(tmp_path, timeouts={"create_to_running": 15.0})
+    settings = settings.model_copy(update={"provider": settings.provider.model_copy(update={"image_gb": 0.0})})
     async with fleet_for(settings) as fleet:
         result = await fleet.up(UpRequest("tiny", "eu"))
         assert len(result.ready) == 1
