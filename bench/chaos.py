@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from fleet.localcloud import control
+from tests.control.test_rotation import RoundRobinClient
 from tests.fleetkit import write_config
 from tests.reliability.invariants import settled
-from tests.test_rotation import RoundRobinClient
 
 COUNT = 2
 

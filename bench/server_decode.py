@@ -10,7 +10,7 @@ over all of them) outweighs the pass itself at 32-64 streams, and the card waits
 candidates straight from the logits. Both paths are in the patched binary: a request whose sampler chain puts
 typical-p (at 1.0, which changes nothing) before top-k takes the whole-vocabulary path, so each row runs the
 same build twice, "top-k first" (0004's path) and "whole vocab" (llama.cpp's path before it), and the
-tests (tests/test_llama_sampling.py) show both give the same tokens.
+tests (tests/engines/test_llama_sampling.py) show both give the same tokens.
 
 Rows: for each model (the tiny llama with Gemma's vocabulary, and with a 356-token vocabulary for contrast),
 each number of streams: the server's tokens a second a stream and over all streams on each path, batched-bench's

@@ -17,9 +17,9 @@ from fleet.economics.bill import bill
 from fleet.market import CreditSpent, MarketError
 from fleet.market.vast import VastMarket
 from fleet.market.watch import InstanceWatch
+from tests.control.test_rotation import RoundRobinClient
 from tests.fleetkit import first_machine, fleet_for, settings_for
 from tests.helpers import cheapest_offer, destroy, listed_instances, polite, rent
-from tests.test_rotation import RoundRobinClient
 
 
 @pytest.fixture(autouse=True)

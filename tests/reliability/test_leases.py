@@ -7,7 +7,7 @@ import sqlite3
 
 from fleet.context import Leases
 from fleet.core.record import BUSY_TIMEOUT_MS, Record, open_database
-from tests.test_rotation import host
+from tests.control.test_rotation import host
 
 
 def test_a_lease_is_renewed_after_the_database_was_busy_past_its_timeout(tmp_path):
