@@ -90,6 +90,18 @@ async def cheapest_offer(api: httpx.AsyncClient, **filters: Any) -> dict[str, An
     return offers[0]
 
 
+async def offer_of_machine(cloud: Any, machine: int) -> dict[str, Any]:
+    async with cloud.client() as api:
+        return await cheapest_offer(api, machine_id={"eq": machine})
+
+
+async def set_offer(cloud: Any, offer_id: int, **fields: Any) -> None:
+    """Change an offer's fields (its end, its link, its price) as its machine's host would."""
+    async with cloud.client() as api:
+        r = await api.put(f"/admin/offers/{offer_id}", json=fields)
+        r.raise_for_status()
+
+
 async def wait_status(
     api: httpx.AsyncClient, instance_id: int, wanted: str | None, timeout_s: float = 20.0
 ) -> dict[str, Any] | None:

@@ -13,11 +13,12 @@ import pytest
 
 from fleet.control import rotation, thermal
 from fleet.control.up import UpRequest
+from fleet.core.config import Traffic
 from fleet.core.models import Host, HostState, utcnow
 from fleet.host.ops import parse_memory
 from fleet.host.remote import RemoteError
 from tests.fleetkit import fleet_for, settings_for
-from tests.helpers import kill_llama_server, listed_instances, sag_after_first_reply, sag_was_set
+from tests.helpers import kill_llama_server, listed_instances, polite, sag_after_first_reply, sag_was_set
 
 
 @pytest.fixture(autouse=True)
@@ -348,3 +349,29 @@ async def test_a_host_the_thermal_probe_cannot_measure_ends_no_sweep(cloud, tmp_
             assert fleet.record.hosts(names=[dead.name])[0].state == HostState.READY  # the health sweep's to judge
         finally:
             await fleet.destroy(None)
+
+
+async def test_reprice_never_moves_a_host_to_a_dearer_offer(cloud, tmp_path):
+    """Reprice used to move a host to an offer cheaper per hour but dearer once its traffic is paid for."""
+    settings = settings_for(tmp_path)  # a profile whose traffic costs count: 50 GB/h each way
+    heavy = settings.models["tiny"].model_copy(update={"traffic_gb_per_hour": Traffic(up=50, down=50)})
+    settings = settings.model_copy(update={"models": {**settings.models, "tiny": heavy}})
+    async with fleet_for(settings) as fleet:
+        old = (await fleet.up(UpRequest("tiny", "eu"))).ready[0]
+        ranked = (await fleet.offers("tiny", "eu", exclude_unusable=True)).passed
+        cheap, dear = ranked[0], ranked[-1]
+        async with cloud.client() as api:
+            # the best offer is much cheaper; another is cheaper per hour but dearer once traffic is paid
+            await polite(api, "PUT", f"/admin/offers/{cheap.id}", json={"dph_base": 0.001})
+            await polite(
+                api,
+                "PUT",
+                f"/admin/offers/{dear.id}",
+                json={"dph_base": old.dph_total / 2, "inet_up_cost": 0.049, "inet_down_cost": 0.049},
+            )
+        cloud.set_faults({"vanish_at_create": [cheap.id]})  # rented by someone else at the last moment
+        moves = await rotation.reprice(fleet, dry_run=False)
+        assert [m.best_offer for m in moves] == [cheap.id]
+        new = fleet.record.hosts(names=[moves[0].new_host])[0] if moves[0].new_host else None
+        assert new is None or new.effective_usd_per_hour < old.effective_usd_per_hour
+        await fleet.destroy(None)

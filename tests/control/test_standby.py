@@ -1,5 +1,6 @@
 """The standby pool (issue 13), against the strict local cloud: a host brought up and probed as `fleet up`
-does, then stopped; its disk alone billed; left alone by reconcile; removed by `fleet destroy --all`."""
+does, then stopped (a stop read in each form vast.ai says it); its disk alone billed; left alone by reconcile;
+removed by `fleet destroy --all`."""
 
 import asyncio
 import json
@@ -15,6 +16,7 @@ from fleet.control.up import UpRequest
 from fleet.core.models import HostState
 from fleet.economics.bill import accrued_usd, bill, hours_billed, pull_usd
 from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
+from tests.helpers import listed_instances
 
 
 @pytest.fixture(autouse=True)
@@ -211,3 +213,25 @@ async def test_a_pool_host_whose_kept_file_changed_is_destroyed_and_a_cold_host_
     assert stale.resumed and stale.phase == "pull"
     assert f"{size // 2} bytes on the kept disk, the hub says {size}" in stale.reason
     assert host.name == cold.host != parked.name
+
+
+async def test_a_stop_is_read_in_each_form_vast_ai_says_it(cloud, tmp_path):
+    """Three hosts stopped for the standby pool, their instances saying so in each of vast.ai's forms (`exited`,
+    `stopped`, and only the contract's states, the container reading `offline`): each is STANDBY well before
+    timeouts.stop, and each serves again when taken. The third, its stop said by the contract's states alone,
+    used to wait timeouts.stop out."""
+    settings = settings_for(tmp_path)
+    settings = settings.model_copy(update={"timeouts": settings.timeouts.model_copy(update={"stop": 40})})
+    async with fleet_for(settings) as fleet:
+        result = await fleet.up(UpRequest("tiny", "eu", count=3, standby=True))
+        assert len(result.ready) == 3, result
+        async with cloud.client() as api:
+            rows = {i["id"]: i for i in await listed_instances(api)}
+        forms = {rows[h.instance_id]["actual_status"] for h in result.ready}
+        assert forms == {"exited", "stopped", "offline"}, forms
+        assert all(rows[h.instance_id]["cur_state"] == "stopped" for h in result.ready)
+        states = {h.state for h in fleet.record.hosts(names=[h.name for h in result.ready])}
+        assert states == {HostState.STANDBY}
+        taken = (await fleet.up(UpRequest("tiny", "eu", count=3))).ready
+        assert {h.name for h in taken} == {h.name for h in result.ready}  # each resumed from the pool
+        await fleet.destroy(None)

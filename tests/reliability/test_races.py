@@ -1,8 +1,9 @@
 """Concurrency: `fleet up`, `fleet destroy`, `fleet reconcile` and a running daemon (health and reconcile
 every second, reprice every minute) race on one SQLite database for a while. The caps are never exceeded,
 no intent buys twice, no host is destroyed that was not meant to be, and a final `destroy --all` leaves
-nothing alive."""
+nothing alive. Three `fleet up` at once hold to the caps too."""
 
+import asyncio
 import contextlib
 import json
 import os
@@ -14,11 +15,19 @@ import sys
 import threading
 import time
 
+import pytest
+
 from tests.fleetkit import write_config
+from tests.helpers import listed_instances
 from tests.reliability.invariants import cloud_books, record_hosts, settled
 
 SECONDS = 45
 CAP = 3
+
+
+@pytest.fixture(autouse=True)
+def _local_cloud(local_cloud_env):
+    yield
 
 
 def reprice_moves(database) -> set[str]:
@@ -149,3 +158,26 @@ def test_up_destroy_reconcile_and_the_daemon_race_without_harm(cloud, tmp_path):
     findings = settled(cloud.info.state_dir, [database])
     assert findings.clean(), findings
     assert len(hosts) >= 3  # the race did rent
+
+
+async def test_caps_hold_across_processes(cloud, tmp_path):
+    """The caps used to hold within one process alone: three `fleet up` at once under a cap of one rent one host."""
+    write_config(tmp_path, caps={"max_hosts_total": 1})
+    env = {
+        **os.environ,
+        "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+        "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir),
+    }
+    argv = [sys.executable, "-m", "fleet.cli", "up", "--model", "tiny", "--region", "eu"]
+    runs = [
+        await asyncio.create_subprocess_exec(*argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    outcomes = [await r.communicate() for r in runs]
+    codes = [r.returncode for r in runs]
+    assert sorted(codes) == [0, 1, 1], outcomes
+    assert all(b"caps.max_hosts_total = 1" in err for (_, err), code in zip(outcomes, codes, strict=True) if code)
+    async with cloud.client() as api:
+        assert len(await listed_instances(api)) == 1
+    done = subprocess.run([*argv[:3], "destroy", "--all", "--yes"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
