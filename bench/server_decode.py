@@ -19,7 +19,7 @@ this CPU the pass itself is slow, so the share reads higher than on a card, and 
 what the patch changes.
 
 Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2] [--serial-sampling]
-       [--stacks N] [--json FILE]
+       [--beside 'FLAGS'] [--stacks N] [--json FILE]
 Builds what is missing (scripts/build-llama-server builds llama-batched-bench beside llama-server). On a card
 (bench/gpu/run streams): --model-file GGUF --flags '-ngl 99 -fa on' --bin-dir the CUDA build's bin.
 """
@@ -67,7 +67,7 @@ class Row:
     top_k_first: float  # the server's tokens a second over all streams, 0004's path
     whole_vocab: float  # the same over the whole vocabulary
     batched_bench: float  # llama-batched-bench's tokens a second over all sequences
-    serial: float | None = None  # top-k first, the streams' candidates selected one after another (0006 off)
+    beside: float | None = None  # top-k first on a second server started with --beside's flags too
 
     @property
     def share_top_k_first(self) -> float:
@@ -127,15 +127,14 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
     ctx = most * (PROMPT_TOKENS * 4 + args.tokens + 64)
     flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
     rows = []
-    serial: dict[int, float] = {}
-    if args.serial_sampling:
-        # the same server with --threads-sampling 1: patch 0006's selection of every stream's candidates at once
-        # off (0004's selection, one stream after another, in the same binary)
-        with llama_server(bin_dir / "llama-server", model, *flags, "--threads-sampling", "1", timeout_s=600) as url:
+    beside: dict[int, float] = {}
+    if args.beside:
+        # the same binary with the server's flags beside: one difference, on the top-k first path
+        with llama_server(bin_dir / "llama-server", model, *flags, *shlex.split(args.beside), timeout_s=600) as url:
             for n in streams:
                 runs = [asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)) for _ in range(args.repeats)]
-                serial[n] = statistics.median(runs)
-                print(f"  {name} at {n} streams, serial: {serial[n]:.0f} tok/s", file=sys.stderr)
+                beside[n] = statistics.median(runs)
+                print(f"  {name} at {n} streams, with {args.beside}: {beside[n]:.0f} tok/s", file=sys.stderr)
     with llama_server(bin_dir / "llama-server", model, *flags, timeout_s=600) as url:
         for n in streams:
             fast, whole = [], []
@@ -143,7 +142,7 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
                 fast.append(asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)))
                 whole.append(asyncio.run(server_rate(url, n, args.tokens, WHOLE_VOCAB)))
             rows.append(
-                Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n], serial.get(n))
+                Row(name, n_vocab, n, statistics.median(fast), statistics.median(whole), ceiling[n], beside.get(n))
             )
             print(
                 f"  {name} at {n} streams: {rows[-1].top_k_first:.0f} / {rows[-1].whole_vocab:.0f} tok/s",
@@ -184,20 +183,20 @@ def _child_server(proc: Path) -> bool:
     return comm == "llama-server" and int(fields[1]) == os.getpid()
 
 
-def table(rows: list[Row], title: str) -> str:
-    serial = any(r.serial for r in rows)
+def table(rows: list[Row], title: str, beside_flags: str = "") -> str:
+    shown = any(r.beside for r in rows)
     lines = [
         title,
         "",
         "| model | vocab | streams | whole vocab | "
-        + ("top-k first, serial | " if serial else "")
+        + (f"top-k first, `{beside_flags}` | " if shown else "")
         + "top-k first | batched-bench | share before | share after | after / before |"
-        + (" at once / serial |" if serial else ""),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if serial else ""),
+        + (f" as shipped / `{beside_flags}` |" if shown else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if shown else ""),
     ]
     for r in rows:
-        one = (f"{r.serial:.0f} | " if r.serial else "- | ") if serial else ""
-        gain = (f" {r.top_k_first / r.serial:.2f} |" if r.serial else " - |") if serial else ""
+        one = (f"{r.beside:.0f} | " if r.beside else "- | ") if shown else ""
+        gain = (f" {r.top_k_first / r.beside:.2f} |" if r.beside else " - |") if shown else ""
         lines.append(f"| {r.model} | {r.n_vocab:,} | {r.streams} | {r.whole_vocab:.0f} | {one}{r.top_k_first:.0f} | "
                      f"{r.batched_bench:.0f} | {r.share_whole_vocab:.2f} | {r.share_top_k_first:.2f} | "
                      f"{r.top_k_first / r.whole_vocab:.2f} |{gain}")  # fmt: skip
@@ -219,8 +218,9 @@ def main() -> None:
     parser.add_argument(
         "--serial-sampling",
         action="store_true",
-        help="also the top-k first path with --threads-sampling 1 (patch 0006 off, the same binary)",
+        help="--beside '--threads-sampling 1': patch 0006's selection of the streams' candidates at once off",
     )
+    parser.add_argument("--beside", default="", help="also the top-k first path on a server with these flags too")
     parser.add_argument(
         "--stacks",
         type=int,
@@ -228,6 +228,8 @@ def main() -> None:
         help="then sample the server's thread this many times at the most streams (gdb or cuda-gdb)",
     )
     args = parser.parse_args()
+    if args.serial_sampling:
+        args.beside = f"{args.beside} --threads-sampling 1".strip()
     bin_dir = args.bin_dir or build()
     rows: list[Row] = []
     if args.model_file:
@@ -243,7 +245,7 @@ def main() -> None:
                                         indent=2))  # fmt: skip
     title = (f"llama-server against llama-batched-bench, {bin_dir.parents[1].name}, {args.threads} threads, "
              f"{args.tokens} tokens a stream, tokens/s over all streams (median of {args.repeats})")  # fmt: skip
-    print(table(rows, title))
+    print(table(rows, title, args.beside))
 
 
 if __name__ == "__main__":
