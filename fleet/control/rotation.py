@@ -84,6 +84,12 @@ async def checked(
     return check, memory
 
 
+ADDRESS_CHANGED = "its machine's public address changed"
+# vast.ai stopping an instance (spent credit, an ended contract) and a dynamic address changing are not the
+# machine's fault: its host is replaced, the machine not blacklisted
+NOT_THE_MACHINES = ("vast.ai stopped", ADDRESS_CHANGED)
+
+
 async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
     """(healthy, gone, reason): the marketplace's view (`instance`, None when it no longer shows it),
     /health, and a short completion. A late heartbeat (`offline`/`unknown`) is vast.ai's view of its own
@@ -96,6 +102,10 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
         return False, True, f"the instance is {instance.status}"
     listed = instance.service_endpoint(SERVICE_PORT)
     recorded = urlsplit(host.api_url or "")
+    if listed is not None and listed[1] == recorded.port and listed[0] != recorded.hostname:
+        # the same mapping at another address: a dynamic IP changed under the host (vast.ai's static_ip false),
+        # and the old address may be someone else's now
+        return False, True, f"{ADDRESS_CHANGED}: now {listed[0][:60]}, was {recorded.hostname}"
     if listed is None or (listed[0], listed[1]) != (recorded.hostname, recorded.port):
         # a restarted instance's old port may be another renter's now: nothing more goes to this host
         where = f"{listed[0]}:{listed[1]}" if listed else "no address"
@@ -190,8 +200,7 @@ async def health_sweep(ctx: Context) -> list[HealthReport]:
         )
         if not healthy:
             ctx.record.event("error", "health", json.dumps({"reason": reason, "failures": failures}), host.id)
-        # vast.ai stopping an instance (spent credit, an ended contract) is not its machine's fault
-        report = HealthReport(host.name, healthy, reason, failures, blame=not reason.startswith("vast.ai stopped"))
+        report = HealthReport(host.name, healthy, reason, failures, blame=not reason.startswith(NOT_THE_MACHINES))
         reports.append(report)
         if gone or failures >= ctx.settings.rotation.unhealthy_after_sweeps:
             doomed.append((host, report))

@@ -56,6 +56,10 @@ class Filters(Strict):
     # vast.ai's datacenter offers (hosting_type 1): machines in certified facilities, not someone's home.
     # Their operator still has root and sees what the GPU serves: this narrows whom you trust, no more.
     datacenter_only: bool = False
+    # machines whose public address is fixed (vast.ai's static_ip): a dynamic address may change under a host,
+    # which is then replaced (its machine not blamed). Off, such offers still rank after a static one of the same
+    # expected price.
+    static_ip_only: bool = False
     # vast.ai stops an instance when its machine's contract ends: an offer must run at least this long
     min_contract_hours: Annotated[float, Field(ge=0)] = 48
     # a 15-20 GB pull at 128 Mbit/s takes about 20 minutes (dstack asks for inet_down > 128)

@@ -86,6 +86,8 @@ def _checks(c: Criteria) -> list[tuple[str, Callable[[Offer], bool]]]:
         checks.append(("verified", lambda o: o.verified))
     if f.datacenter_only:
         checks.append(("datacenter (hosting_type 1)", lambda o: o.datacenter))
+    if f.static_ip_only:
+        checks.append(("static IP", lambda o: o.static_ip))
     if c.compute_caps:
         caps = "/".join(f"{cap / 100:g}" for cap in c.compute_caps)
         checks.append(
@@ -153,7 +155,8 @@ def storage_price_per_hour(offer: Offer) -> float:
 
 def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query: OfferQuery | None = None) -> Funnel:
     """Apply every filter in order, count what each removed, rank the rest by expected $/h (the pull
-    included). `query`, when given, is what the marketplace was asked: its window and its filters."""
+    included; at the same price a static address first). `query`, when given, is what the marketplace was
+    asked: its window and its filters."""
     result = Funnel(limit=query.limit if query else None, asked=asked(query) if query else "", pull_gb=criteria.pull_gb)
     remaining = list(offers)
     result.offers = list(remaining)
@@ -165,7 +168,10 @@ def funnel(offers: Iterable[Offer], criteria: Criteria, profile: Profile, query:
         kept = [o for o in remaining if check(o)]
         result.removed.append((name, len(remaining) - len(kept)))
         remaining = kept
-    result.passed = sorted(remaining, key=lambda o: (expected_price_per_hour(o, profile, criteria.pull_gb), o.id))
+    # at the same expected price a fixed address first: a dynamic one may change and cost a bring-up
+    result.passed = sorted(
+        remaining, key=lambda o: (expected_price_per_hour(o, profile, criteria.pull_gb), not o.static_ip, o.id)
+    )
     return result
 
 
@@ -205,6 +211,7 @@ def query_for(criteria: Criteria, profile: Profile, pool_only: bool = False) -> 
         max_inet_usd_per_gb=f.max_inet_usd_per_gb,
         verified_only=f.verified_only,
         datacenter_only=f.datacenter_only,
+        static_ip_only=f.static_ip_only,
         compute_caps=criteria.compute_caps,
         min_duration_s=f.min_contract_hours * 3600 if criteria.contract_ends_after else None,
         min_inet_down_mbps=f.min_inet_down_mbps or None,
@@ -223,6 +230,7 @@ def asked(query: OfferQuery) -> str:
     parts = ["region", "GPU memory", "reliability", "CUDA", "disk", "direct ports", "traffic $/GB", "CPU"]
     parts += ["verified"] if query.verified_only else []
     parts += ["datacenter"] if query.datacenter_only else []
+    parts += ["static IP"] if query.static_ip_only else []
     parts += ["compute capability"] if query.compute_caps else []
     parts += ["contract length"] if query.min_duration_s else []
     parts += ["download speed"] if query.min_inet_down_mbps else []

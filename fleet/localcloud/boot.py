@@ -254,7 +254,7 @@ class Booting:
             targets = inst.targets()
             unreachable = inst.machine_id in self.faults.unreachable_ports  # listed, and leading nowhere
             mappings = [
-                network.Mapping(network.PUBLIC_HOST, external, inst.private_ip, targets[key])
+                network.Mapping(inst.public_ip, external, inst.private_ip, targets[key])
                 for key, external in inst.ports.items()
                 if key.endswith("/tcp") and not (unreachable and key != "22/tcp")
             ]
@@ -266,6 +266,16 @@ class Booting:
                 mappings, lambda down, up, i=inst.id: self.count_traffic(i, down, up)
             )
         return self._networks[inst.id]
+
+    async def _move_address(self, inst: Instance) -> None:
+        """The machine's dynamic address changes under a running instance (offers list `static_ip`): its mappings
+        answer at the new address alone, on the same ports, and the listing shows it; the instance's
+        PUBLIC_IPADDR keeps the old one (vast.ai: it "is not updated if the IP changes")."""
+        await self._network(inst).stop()
+        self._networks.pop(inst.id, None)
+        inst.public_ip = network.MOVED_HOST
+        self.save()
+        await self._network(inst).start()
 
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
@@ -312,6 +322,9 @@ class Booting:
             if inst.machine_id in self.faults.host_key_change:
                 self.faults.host_key_change.remove(inst.machine_id)
                 await asyncio.to_thread(self.host_for(inst).new_host_key)
+            if inst.machine_id in self.faults.address_change:
+                self.faults.address_change.remove(inst.machine_id)
+                await self._move_address(inst)
             sag = self.faults.decode_sag.get(inst.machine_id)
             share = sag.stop_share(running_for) if sag else 0.0
             if share > 0:

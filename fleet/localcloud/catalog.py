@@ -64,6 +64,7 @@ def _filterable(row: dict[str, Any]) -> dict[str, Any]:
         **row,
         "verified": row.get("verification") == "verified",
         "datacenter": row.get("hosting_type") == 1,
+        "static_ip": row.get("static_ip") is True,
     }
 
 

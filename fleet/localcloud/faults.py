@@ -107,6 +107,7 @@ class Faults:
     pull_stall: PullStall | None = None
     offline_after_s: dict[int, float] = field(default_factory=dict)  # machine -> its network goes, for good
     host_key_change: list[int] = field(default_factory=list)  # machines whose SSH host key is made anew now
+    address_change: list[int] = field(default_factory=list)  # machines whose dynamic public address changes now
     # machine -> the instance whose published ports its listing names instead of its own (a lying listing: the
     # marketplace's word for where a host serves is all fleet has)
     lying_ports: dict[int, int] = field(default_factory=dict)
@@ -172,6 +173,7 @@ class Faults:
             pull_stall=PullStall(**data["pull_stall"]) if data.get("pull_stall") else None,
             offline_after_s={int(k): float(v) for k, v in data.get("offline_after_s", {}).items()},
             host_key_change=[int(x) for x in data.get("host_key_change", [])],
+            address_change=[int(x) for x in data.get("address_change", [])],
             lying_ports={int(k): int(v) for k, v in data.get("lying_ports", {}).items()},
             expired_kept_s=float(data["expired_kept_s"]) if data.get("expired_kept_s") is not None else None,
             image_sizes={str(k): int(v) for k, v in data.get("image_sizes", {}).items()},

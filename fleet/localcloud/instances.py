@@ -39,6 +39,7 @@ class Instance:
     cur_state: str = "running"  # the contract: running, or stopped (its disk kept, the GPU released)
     pull_error: str | None = None  # what the registry answered when the image could not be pulled
     expired: bool = False  # its rental contract ended: stopped, and it cannot start again
+    public_ip: str = network.PUBLIC_HOST  # where its mappings answer: the machine's address, which may change
 
     def contract_ended(self, now: float) -> bool:
         """Its rental contract's end is past (vast.ai stops it then and never starts it again)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 PUBLIC_HOST = "127.0.0.1"
 PROXY_HOST = "127.0.0.2"  # vast.ai's SSH gateway is another address than the machine's public IP
+MOVED_HOST = "127.0.0.3"  # the public address a machine on a dynamic one is handed next (fault address_change)
 _PRIVATE_FIRST_OCTET = 127
 
 

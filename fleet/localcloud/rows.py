@@ -96,7 +96,7 @@ def instance_row(inst: Instance, actual_status: str | None, credit: float, now: 
         "ssh_idx": str(inst.id % 10000),
         "ssh_port": inst.ssh_port if inst.ssh_mode else None,
         "machine_dir_ssh_port": inst.ssh_port,
-        "public_ipaddr": network.PUBLIC_HOST,
+        "public_ipaddr": inst.public_ip,
         "local_ipaddrs": f"10.{b}.{c}.{d} 172.17.0.1 \n",  # the machine's LAN: unreachable from outside
         "ports": listed_ports(inst) if running else None,
         "direct_port_start": min(inst.ports.values(), default=-1),

@@ -104,6 +104,9 @@ class Offer:
     cpu_ghz: float = 0.0  # the machine's CPU clock as listed; 0 when the offer does not say
     cpu_cores: float = 0.0  # the instance's share of the machine's cores (vast.ai's cpu_cores_effective)
     cpu_name: str = ""
+    # the machine's public address is fixed (vast.ai's static_ip); a dynamic one may change under a running host,
+    # and the instance's PUBLIC_IPADDR "is not updated if the IP changes"
+    static_ip: bool = False
 
     @property
     def country(self) -> str:
@@ -141,6 +144,7 @@ class Offer:
                 cpu_ghz=float(row.get("cpu_ghz") or 0.0),
                 cpu_cores=float(row.get("cpu_cores_effective") or 0.0),
                 cpu_name=_text(row.get("cpu_name") or "")[:80],
+                static_ip=row.get("static_ip") is True,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise MarketError(f"malformed offer {str(row.get('id'))[:40]!r}: {type(e).__name__}: {e}"[:300]) from None
@@ -191,6 +195,7 @@ class OfferQuery:
     max_inet_usd_per_gb: float | None = None  # each way
     verified_only: bool = False
     datacenter_only: bool = False
+    static_ip_only: bool = False
     compute_caps: tuple[int, ...] = ()
     min_duration_s: float | None = None  # the contract runs at least this long from now
     min_inet_down_mbps: float | None = None

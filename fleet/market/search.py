@@ -31,6 +31,8 @@ def search_filters(query: OfferQuery) -> dict[str, Any]:
         found["verified"] = {"eq": True}
     if query.datacenter_only:
         found["datacenter"] = {"eq": True}
+    if query.static_ip_only:
+        found["static_ip"] = {"eq": True}
     if query.compute_caps:
         found["compute_cap"] = {"in": list(query.compute_caps)}
     if query.cpu_arch:
