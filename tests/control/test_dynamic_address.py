@@ -1,6 +1,6 @@
 """Machines on a dynamic public address (vast.ai's `static_ip: false`; the instance's PUBLIC_IPADDR "is not
 updated if the IP changes"): a filter and a rank for a fixed address, and a host whose address changed under
-it replaced without blaming its machine (vast.ai round four, item 9)."""
+it replaced without blaming its machine."""
 
 import asyncio
 import dataclasses
@@ -17,9 +17,9 @@ from fleet.economics.offers import funnel, query_for
 from fleet.localcloud import catalog, network
 from fleet.market import Offer
 from fleet.market.search import search_filters
+from tests.economics.test_offers import CRITERIA, PROFILE, offer
 from tests.fleetkit import ROOT, fleet_for, settings_for
 from tests.helpers import listed_instances
-from tests.test_offers import CRITERIA, PROFILE, offer
 
 
 @pytest.fixture(autouse=True)
