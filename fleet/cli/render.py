@@ -299,6 +299,9 @@ def destroyed(report: Any, session: Any) -> None:
         columns = ("host", "GPU", "where", "hours", "rent $", "pull $", "traffic $", "total $")
         table(columns, rows, title="the bill")
         line(f"total: ${session.total_usd:.4f} (traffic at the profiles' expected rates)")
+        for b in session.lines:
+            if b.lost:
+                warn(("lost:", "red"), f" {b.host}: {b.lost}")
 
 
 def probe_results(results: list[Any]) -> None:
@@ -340,11 +343,14 @@ def reprice(moves: list[Any], dry_run: bool) -> None:
 
 def reconciled(report: dict[str, Any]) -> None:
     line(
-        f"checked {report['checked']} hosts; gone: {len(report['gone'])}; failed and destroyed: "
+        f"checked {report['checked']} hosts; gone: {len(report['gone'])}; lost from the pool: {len(report['lost'])};"
+        f" failed and destroyed: "
         f"{len(report['failed'])}; destroys finished: {len(report['destroyed'])}; adopted: {len(report['adopted'])};"
         f" strays destroyed: {len(report['strays_destroyed'])}; left to their owners: {len(report['busy'])};"
         f" not yet listed: {len(report['waiting'])}"
     )
+    for lost in report["lost"]:
+        warn(("lost:", "red"), f" {lost['host']}: {lost['why']}")
 
 
 def pairs(data: dict[str, Any]) -> None:

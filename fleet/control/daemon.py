@@ -190,6 +190,8 @@ async def run_reconcile(config_path: str) -> None:
             report["failed"],
             report["strays_destroyed"],
         )
+        for lost in report["lost"]:
+            log.error("reconcile: %s %s", lost["host"], lost["why"])
         credit = await check_credit(ctx)  # vast.ai stops every instance at zero: say so ahead of time
         (log.warning if credit.warn else log.info)("%s", credit.line())
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from fleet.context import Context
 from fleet.core.models import LABEL_PREFIX, Host, HostState, as_utc, host_age_s, utcnow
-from fleet.economics.bill import accrued_usd
+from fleet.economics.bill import LOST_FROM_POOL, accrued_usd
 from fleet.host.endpoints import publish
 from fleet.host.teardown import destroy_instance, fail
 from fleet.market import Instance, MarketError
@@ -34,6 +34,7 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
     report: dict[str, Any] = {
         "checked": 0,
         "gone": [],
+        "lost": [],
         "failed": [],
         "destroyed": [],
         "strays_destroyed": [],
@@ -101,6 +102,12 @@ async def _settle(
         shown = int(instance is not None)
     if instance is None:
         final = HostState.FAILED if host.state == HostState.FAILED else HostState.DESTROYED
+        if host.state == HostState.STANDBY:
+            why = await _lost_from_pool(ctx, host)
+            ctx.record.close(host, final, accrued_usd(host, utcnow()), failure_reason=why)
+            ctx.record.event("error", "reconcile", json.dumps({"lost": why}), host.id)
+            report["lost"].append({"host": host.name, "why": why})
+            return shown
         ctx.record.close(host, final, accrued_usd(host, utcnow()), failure_reason="instance gone at reconcile")
         ctx.record.event("info", "reconcile", "instance gone", host.id)
         report["gone"].append(host.name)
@@ -134,6 +141,18 @@ async def _settle(
         await fail(ctx, host, host.state, f"bring-up interrupted in {host.state}", blacklist=False)
         report["failed"].append(host.name)
     return shown
+
+
+async def _lost_from_pool(ctx: Context, host: Host) -> str:
+    """Why a stopped host of the pool is gone, in a line: vast.ai deleted it, its disk with its files, and the
+    pool's $/h paid to keep them bought nothing. A spent credit is the likely cause (vast.ai deletes the
+    instances of an account with no card once its balance stays below zero), said when the account shows it."""
+    lost = f"{LOST_FROM_POOL}: vast.ai deleted the stopped instance, its disk and the {host.model} files on it"
+    async with ctx.waits.on("market"):
+        usd = await ctx.market.credit()
+    if usd is not None and usd <= 0:
+        return f"{lost} (the account's credit is ${usd:.2f}: vast.ai deletes what an account without a card keeps)"
+    return lost
 
 
 async def _sweep_strays(ctx: Context, listing: list[Instance], report: dict[str, Any]) -> None:

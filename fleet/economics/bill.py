@@ -11,6 +11,9 @@ from datetime import datetime
 from fleet.core.models import Host, as_utc, utcnow
 
 GB = 1e9  # vast.ai prices traffic in $/GB
+# the start of the reason a standby host is closed with when vast.ai deleted its stopped instance: its disk and
+# the files on it are gone, and with them what the pool had paid to keep
+LOST_FROM_POOL = "lost from the standby pool"
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class BillLine:
     pull_usd: float  # the image's and the model files' bytes at the machine's download $/GB
     traffic_usd: float  # the profile's expected GB/h at the machine's $/GB, x serving hours
     total_usd: float
+    lost: str | None = None  # what was lost with it, when vast.ai deleted a host the pool kept
 
 
 @dataclass(frozen=True)
@@ -87,5 +91,6 @@ def bill(hosts: list[Host], now: datetime) -> Bill:
         serving = max(hours - standby - loading_hours(h, now), 0.0)
         traffic = max(h.effective_usd_per_hour - h.dph_total, 0.0) * serving
         total = rent + pull + traffic
-        lines.append(BillLine(h.name, h.gpu_name, h.geolocation, hours, standby, rent, pull, traffic, total))
+        lost = h.failure_reason if (h.failure_reason or "").startswith(LOST_FROM_POOL) else None
+        lines.append(BillLine(h.name, h.gpu_name, h.geolocation, hours, standby, rent, pull, traffic, total, lost))
     return Bill(lines, sum(line.total_usd for line in lines))

@@ -21,6 +21,7 @@ from fleet.core.files import write_public
 from fleet.gateway import answers
 from fleet.gateway.files import GatewayCa, GatewayFiles, prepare
 from fleet.gateway.haproxy import CALL_KEY_ENV, SALT_KEY_ENV, render
+from fleet.gateway.runtime import Runtime, RuntimeApiError
 from fleet.gateway.targets import Target
 
 START_TIMEOUT_S = 10.0
@@ -122,10 +123,21 @@ async def start(
                     "install's gateway?): give this install its own [gateway] port (and [[serve]] ports)"
                 )
             raise GatewayError(f"HAProxy did not start: {alerts[0][:300]}")
-        if files.socket.exists() and running_pid(files) == process.pid:
+        if files.socket.exists() and running_pid(files) == process.pid and await _answers(files.socket):
             return process.pid
         await asyncio.sleep(0.05)
     raise GatewayError(f"HAProxy started but its admin socket {files.socket} did not appear in {START_TIMEOUT_S:g}s")
+
+
+async def _answers(socket: Path) -> bool:
+    """HAProxy serves its admin socket once every listener is bound: the socket's file appears at its own bind,
+    before a frontend whose port is taken ends the process (a busy machine once saw the file, took the start
+    for done, and met a refused socket instead of the port's one line)."""
+    try:
+        (said,) = await Runtime(socket).run("show info")
+    except RuntimeApiError:
+        return False
+    return "Pid:" in said
 
 
 _children: dict[int, subprocess.Popen] = {}

@@ -61,6 +61,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         try:
             if vast:
                 await cloud.retire_expired()  # what vast.ai deletes in its own time, gone before any answer
+                await cloud.delete_unpaid()
                 if cloud.dice.fire(cloud.faults.rate_limit, path, request.method):
                     after = cloud.faults.rate_limit.retry_after if cloud.faults.rate_limit else None
                     return web.Response(

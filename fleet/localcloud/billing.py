@@ -36,6 +36,14 @@ class Charge:
         return self.dph_total * ((self.end or now) - self.start) / 3600.0
 
 
+def daily_spend(charges: list[Charge], now: float) -> float:
+    """The account's average spend a day since its first charge (a day at least)."""
+    if not charges:
+        return 0.0
+    days = max((now - min(c.start for c in charges)) / 86400, 1.0)
+    return sum(c.amount(now) for c in charges) / days
+
+
 def bandwidth(charges: list[Charge], instance_id: int) -> Charge | None:
     return next((c for c in charges if c.instance_id == instance_id and c.kind == "bandwidth"), None)
 

@@ -139,6 +139,9 @@ class Faults:
     # private images: image -> the login (vast.ai's `-u USER -p TOKEN REGISTRY`) a create must carry to pull it
     private_images: dict[str, str] = field(default_factory=dict)
     credit_usd: float | None = None  # the account's starting credit (None: the default); at 0 vast.ai stops all
+    # how far below zero the balance may go before vast.ai deletes every instance of an account with no card
+    # (None: a share of the account's average daily spend, as vast.ai sizes it)
+    credit_buffer_usd: float | None = None
     # API keys with only some permissions (vast.ai's scoped keys): key -> its permissions (user_write, ...)
     scoped_keys: dict[str, list[str]] = field(default_factory=dict)
     # gated model repos: repo -> the Hugging Face token that opens it (401 GatedRepo without it)
@@ -187,6 +190,7 @@ class Faults:
             missing_images=[str(x) for x in data.get("missing_images", [])],
             private_images={str(k): str(v) for k, v in data.get("private_images", {}).items()},
             credit_usd=float(data["credit_usd"]) if data.get("credit_usd") is not None else None,
+            credit_buffer_usd=float(data["credit_buffer_usd"]) if data.get("credit_buffer_usd") is not None else None,
             scoped_keys={str(k): [str(p) for p in v] for k, v in data.get("scoped_keys", {}).items()},
             gated_repos={str(k): str(v) for k, v in data.get("gated_repos", {}).items()},
             signed_url_ttl_s=float(data["signed_url_ttl_s"]) if data.get("signed_url_ttl_s") is not None else None,

@@ -22,6 +22,9 @@ log = logging.getLogger("fleet.localcloud")
 
 STOP_FORMS = ("exited", "stopped", "offline")
 EXPIRED_KEPT_S = 48 * 3600  # vast.ai deletes an expired instance this long after its contract ended
+# vast.ai lets a balance go below zero by "a short grace period ... calculated based on your account's average
+# daily spend" before it deletes the instances of an account with no card; its share is not published
+CREDIT_BUFFER_DAYS = 0.25
 
 
 class Power(Booting):
@@ -97,6 +100,22 @@ class Power(Booting):
             and wanted & set(other.offer.get("gpu_ids") or [])
             for other in self.state.instances.values()
         )
+
+    async def delete_unpaid(self) -> None:
+        """vast.ai, for an account with no card on file (the local cloud's): once the balance is below zero by
+        more than its buffer (fault `credit_buffer_usd`, else a share of its average daily spend), "your
+        instances and stored data will be destroyed", stopped ones and their disks with them."""
+        if not self.state.instances:
+            return
+        now = time.time()
+        buffer = self.faults.credit_buffer_usd
+        if buffer is None:
+            buffer = billing.daily_spend(self.state.charges, now) * CREDIT_BUFFER_DAYS
+        if (balance := self.credit()) >= -buffer:
+            return
+        for inst in list(self.state.instances.values()):
+            log.info("instance %s deleted: the balance is %.4f, below the buffer of %.4f", inst.id, balance, buffer)
+            await self._forget(inst.id)
 
     async def retire_expired(self) -> None:
         """vast.ai: "Expired instances may be deleted 48 hours after expiration" (the harder reading: they are,

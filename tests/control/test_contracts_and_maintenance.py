@@ -87,7 +87,9 @@ async def test_an_expired_pool_host_is_never_started_and_is_destroyed(cloud, tmp
     settings = settings_for(tmp_path, filters={"min_contract_hours": 0})
     offer = (await ranked_offers(settings))[0]
     async with cloud.client() as api:
-        (await api.put(f"/admin/offers/{offer.id}", json={"end_date": time.time() + 25})).raise_for_status()
+        # its contract ends once the host is parked: 45 s holds a bring-up and a stop on a busy machine (25 s did
+        # not: the offer had ended before up ranked it)
+        (await api.put(f"/admin/offers/{offer.id}", json={"end_date": time.time() + 45})).raise_for_status()
     async with fleet_for(settings) as fleet:
         [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
         assert parked.offer_id == offer.id and parked.state == HostState.STANDBY

@@ -16,7 +16,7 @@ from fleet.control.up import UpRequest
 from fleet.core.models import HostState
 from fleet.economics.bill import accrued_usd, bill, hours_billed, pull_usd
 from tests.fleetkit import fleet_for, ranked_offers, settings_for, write_config
-from tests.helpers import listed_instances
+from tests.helpers import cheapest_offer, destroy, listed_instances, rent, shown, wait_status
 
 
 @pytest.fixture(autouse=True)
@@ -235,3 +235,47 @@ async def test_a_stop_is_read_in_each_form_vast_ai_says_it(cloud, tmp_path):
         taken = (await fleet.up(UpRequest("tiny", "eu", count=3))).ready
         assert {h.name for h in taken} == {h.name for h in result.ready}  # each resumed from the pool
         await fleet.destroy(None)
+
+
+async def test_a_pool_host_vast_ai_deleted_for_spent_credit_is_said_lost_by_reconcile_and_the_bill(cloud, tmp_path):
+    """vast.ai deletes, not only stops, the instances of an account with no card once its balance stays below zero
+    (billing.mdx: "scheduled for deletion"; "Your instances and stored data will be destroyed"): the pool's host
+    and the files it kept are gone, and reconcile and the bill say so rather than a bare "gone"."""
+    env = {**os.environ, "FLEET_CONFIG": str(write_config(tmp_path)), "FLEET_LOCALCLOUD_DIR": str(cloud.info.state_dir)}
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        [parked] = (await fleet.up(UpRequest("tiny", "eu", standby=True))).ready
+    try:
+        async with cloud.client() as api:
+            spent = 100.0 - (await api.get("/api/v0/users/current")).json()["balance"]
+            # a cent below zero, past a buffer of half a cent: the next thing the account asks, it finds nothing
+            cloud.set_faults({"credit_usd": spent - 0.01, "credit_buffer_usd": 0.005})
+            assert await listed_instances(api) == []
+        done = subprocess.run(
+            [sys.executable, "-m", "fleet.cli", "reconcile"], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        cloud.set_faults({})
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    assert "lost from the pool: 1" in said and f"lost: {parked.name}: lost from the standby pool" in said, said
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        host = fleet.record.host(parked.id)
+    assert host.state == HostState.DESTROYED and host.destroyed_at is not None
+    assert "its disk and the tiny files on it" in host.failure_reason and "credit" in host.failure_reason
+    [line] = bill([host], host.destroyed_at).lines
+    assert line.lost == host.failure_reason and line.standby_hours > 0  # what it kept, and what keeping it cost
+
+
+async def test_a_balance_below_zero_inside_its_buffer_deletes_nothing(cloud):
+    """The grace vast.ai gives an account's balance below zero before it deletes: a stopped instance stays."""
+    async with cloud.client() as api:
+        instance_id = await rent(api, (await cheapest_offer(api))["id"])
+        try:
+            await wait_status(api, instance_id, "running")
+            spent = 100.0 - (await api.get("/api/v0/users/current")).json()["balance"]
+            cloud.set_faults({"credit_usd": spent - 0.01, "credit_buffer_usd": 1.0})  # a cent below, a dollar of grace
+            for _ in range(3):  # every request looks again: none deletes it (vast.ai stops it)
+                assert await shown(api, instance_id) is not None
+        finally:
+            cloud.set_faults({})
+            await destroy(api, instance_id)

@@ -100,7 +100,8 @@ async def test_host_exits_after_a_delay(cloud, api):
 
 async def test_host_disappears_after_a_delay(cloud, api):
     offer = await cheapest_offer(api)
-    cloud.set_faults({"disappear_after_s": {str(offer["machine_id"]): 0.5}})
+    # running for 4 s before it goes: the polls below must see it run (half a second was missed beside a CPU hog)
+    cloud.set_faults({"disappear_after_s": {str(offer["machine_id"]): 4.0}})
     instance_id = await rent(api, offer["id"])
     await wait_status(api, instance_id, "running")
     token = cloud.state()["instances"][str(instance_id)]["token"]
