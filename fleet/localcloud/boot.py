@@ -121,6 +121,7 @@ class Booting:
     def _set_status(self, inst: Instance, status: str | None, msg: str | None) -> None:
         inst.status, inst.status_msg = status, msg
         self.save()
+        log.info("instance %s is %s: %s", inst.id, status, msg)  # each step, however briefly it lasts
 
     async def _boot(self, inst: Instance, restart: bool = False) -> None:
         # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
