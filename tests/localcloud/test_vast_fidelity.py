@@ -114,8 +114,18 @@ async def test_reads_lag_create_and_gone_reads_as_null_or_404(cloud, api, offers
     try:
         for offer in offers[:2]:  # consecutive ids: one odd, one even, for both forms of "not there"
             ids.append(await rent(api, offer["id"], label="fleet:lag"))
-            assert await shown(api, ids[-1]) is None  # not yet visible: null or 404, as if gone
-            assert ids[-1] not in {i["id"] for i in await listed_instances(api)}
+            created = cloud.state()["instances"][str(ids[-1])]["created_at"]
+            inside = 0  # reads sent inside the 3 s lag and answered (a 429, or a read sent late, proves nothing)
+            while (sent := time.time()) - created < 2.5:
+                one = await api.get(f"/api/v0/instances/{ids[-1]}/")
+                listed = await api.get("/api/v1/instances/")
+                if time.time() - created >= 3.0 or 429 in (one.status_code, listed.status_code):
+                    continue
+                # not yet visible: null or 404, as if gone
+                assert one.status_code == 404 or one.json()["instances"] is None, (sent - created, one.text)
+                assert ids[-1] not in {i["id"] for i in listed.json()["instances"]}, sent - created
+                inside += 1
+            assert inside > 0, "no read inside the lag was answered"
         assert {i % 2 for i in ids} == {0, 1}
         await asyncio.sleep(3.2 - (time.time() - cloud.state()["instances"][str(ids[-1])]["created_at"]))
         assert {i["id"] for i in await listed_instances(api)} >= set(ids)
@@ -127,8 +137,11 @@ async def test_reads_lag_create_and_gone_reads_as_null_or_404(cloud, api, offers
     forms = []
     for instance_id in ids:
         r = await polite(api, "GET", f"/api/v0/instances/{instance_id}/")
-        forms.append(r.status_code if r.status_code == 404 else r.json())
-    assert sorted(forms, key=str) == sorted([404, {"instances": None}], key=str)
+        row = r.json()["instances"] if r.status_code == 200 else None
+        forms.append("404" if r.status_code == 404 else "null" if row is None else row["actual_status"])
+    # gone, each id in one of vast.ai's forms (its last row saying `destroyed` too, by the id: the first ids of a
+    # fresh cloud take it), and the two in two different forms
+    assert set(forms) <= {"404", "null", "destroyed"} and len(set(forms)) == 2, forms
 
 
 async def test_boot_passes_scheduling_created_loading_with_messages(cloud, api, offers):
