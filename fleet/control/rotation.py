@@ -102,11 +102,10 @@ async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tup
         return False, True, f"the instance is {instance.status}"
     listed = instance.service_endpoint(SERVICE_PORT)
     recorded = urlsplit(host.api_url or "")
-    if listed is not None and listed[1] == recorded.port and listed[0] != recorded.hostname:
-        # the same mapping at another address: a dynamic IP changed under the host (vast.ai's static_ip false),
-        # and the old address may be someone else's now
-        return False, True, f"{ADDRESS_CHANGED}: now {listed[0][:60]}, was {recorded.hostname}"
     if listed is None or (listed[0], listed[1]) != (recorded.hostname, recorded.port):
+        if listed is not None and listed[1] == recorded.port:
+            # the same mapping at another address: a dynamic IP changed under the host (static_ip false)
+            return False, True, f"{ADDRESS_CHANGED}: now {listed[0][:60]}, was {recorded.hostname}"
         # a restarted instance's old port may be another renter's now: nothing more goes to this host
         where = f"{listed[0]}:{listed[1]}" if listed else "no address"
         return False, True, f"the marketplace now lists its server at {where[:80]}, not {recorded.netloc}"

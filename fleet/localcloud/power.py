@@ -105,13 +105,12 @@ class Power(Booting):
         """vast.ai, for an account with no card on file (the local cloud's): once the balance is below zero by
         more than its buffer (fault `credit_buffer_usd`, else a share of its average daily spend), "your
         instances and stored data will be destroyed", stopped ones and their disks with them."""
-        if not self.state.instances:
-            return
-        now = time.time()
+        if not self.state.instances or (balance := self.credit()) >= 0:
+            return  # every API request asks: the buffer is worked out only below zero
         buffer = self.faults.credit_buffer_usd
         if buffer is None:
-            buffer = billing.daily_spend(self.state.charges, now) * CREDIT_BUFFER_DAYS
-        if (balance := self.credit()) >= -buffer:
+            buffer = billing.daily_spend(self.state.charges, time.time()) * CREDIT_BUFFER_DAYS
+        if balance >= -buffer:
             return
         for inst in list(self.state.instances.values()):
             log.info("instance %s deleted: the balance is %.4f, below the buffer of %.4f", inst.id, balance, buffer)
