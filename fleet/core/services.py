@@ -25,6 +25,7 @@ class ConfigError(BadInput, ValueError):
     """A config problem: one line that names the file and the key."""
 
 
+PROOF = r"^(sha256:[0-9a-f]{64})?$"
 IMAGE = re.compile(r"[a-z0-9][a-z0-9._/-]{0,254}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?")
 
 
@@ -54,6 +55,11 @@ class Provider(Strict):
     # "can take hours with slow internet/large images") and pays for the bytes; the boot's deadline grows with it
     image_gb: Annotated[float, Field(ge=0, le=200)] = 5.0
     vllm_image_gb: Annotated[float, Field(ge=0, le=200)] = 12.0
+    # An image rented by its tag proves itself instead: "sha256:<64 hex>" of the manifest its build wrote (the
+    # build prints it), which each new host shows over SSH before it pulls (fleet-image-proof). vast.ai may
+    # turn a digest reference into a tag of its own; a machine may boot a stale copy of a tag.
+    image_proof: Annotated[str, Field(pattern=PROOF)] = ""
+    vllm_image_proof: Annotated[str, Field(pattern=PROOF)] = ""
     # the CPU architecture fleet's images are built for (images/*/Dockerfile: amd64): vast.ai lists arm64 machines
     # too (a GH200 passes every GPU filter), where an amd64 image cannot start
     image_arch: Literal["amd64", "arm64"] = "amd64"
@@ -75,10 +81,11 @@ class Provider(Strict):
                 continue
             if not IMAGE.fullmatch(image):
                 raise ValueError(f"{key}: {image[:80]!r} is not an image reference (NAME[:TAG][@sha256:DIGEST])")
-            if not self.is_local and "@sha256:" not in image:
+            if not self.is_local and "@sha256:" not in image and not getattr(self, f"{key}_proof"):
                 raise ValueError(
-                    f"{key}: pin it by digest off the local cloud (NAME:TAG@sha256:<64 hex>): a tag can be moved"
-                    " to other contents"
+                    f"{key}: pin it off the local cloud, by digest (NAME:TAG@sha256:<64 hex>) or by its manifest"
+                    f' ({key}_proof = "sha256:<64 hex>", printed by the image\'s build): a tag can be moved to'
+                    " other contents"
                 )
         return self
 

@@ -64,6 +64,10 @@ class Engine(ABC):
         """The image a host of this engine boots ("" when fleet.toml names none)."""
         return str(getattr(provider, self.image_setting))
 
+    def image_proof(self, provider: Provider) -> str:
+        """The sha256 of that image's manifest which its hosts must show before a pull ("" when none is pinned)."""
+        return str(getattr(provider, f"{self.image_setting}_proof"))
+
     def image_gb(self, provider: Provider) -> float:
         """What pulling that image downloads (GB)."""
         return float(getattr(provider, f"{self.image_setting}_gb"))

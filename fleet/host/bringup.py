@@ -28,7 +28,7 @@ from fleet.core.config import ConfigError, Profile, Provider
 from fleet.core.models import Host, HostState, utcnow
 from fleet.engines import SERVICE_PORT
 from fleet.engines.registry import engine_of
-from fleet.host import addresses, certificate, hostkey, ports, templates
+from fleet.host import addresses, certificate, hostkey, imageproof, ports, templates
 from fleet.host import ops as hostops
 from fleet.host.instance import image_pull_s, inside_read_lag, wait_running, wait_stopped
 from fleet.host.measure import probe_host
@@ -266,6 +266,12 @@ class BringUp:
                 )
         except ports.PortUnreachable as e:
             raise PhaseFailed("connect", str(e)) from None  # the machine's ports: blamed before a pull is paid
+        if pinned := engine_of(self.profile).image_proof(self.ctx.settings.provider):
+            try:
+                async with self.ctx.waits.on("ssh"):
+                    await imageproof.prove(self.conn, pinned, self.ctx.settings.timeouts.port_check)
+            except imageproof.ImageNotPinned as e:
+                raise PhaseFailed("connect", str(e)) from None  # this machine's copy of the tag: blamed
         then = "checking the weights it kept" if self.resume else "pulling weights"
         self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); {then}")
 

@@ -87,9 +87,11 @@ async def run(
     *,
     stdin: str | None = None,
     timeout_s: float | None = None,
+    check: bool = True,
 ) -> Completed:
-    """Run argv on the host; raise RemoteError with its stderr when it fails. What the host writes back is
-    read up to MAX_OUTPUT a stream, within `timeout_s` in all: a host that floods or drips is an error."""
+    """Run argv on the host; raise RemoteError with its stderr when it fails (`check`; else its exit status is
+    the caller's to read). What the host writes back is read up to MAX_OUTPUT a stream, within `timeout_s` in
+    all: a host that floods or drips is an error."""
     try:
         async with asyncio.timeout(timeout_s):
             process = await start_process(conn, argv, stdin)
@@ -103,7 +105,7 @@ async def run(
     except TimeoutError:
         raise RemoteError(f"{argv[0]} did not finish within {timeout_s:.0f}s") from None
     status = process.exit_status if process.exit_status is not None else -1
-    if status != 0:
+    if status != 0 and check:
         err = stderr.strip().splitlines()
         raise RemoteError(f"{argv[0]} exited {status}: {err[-1][:300] if err else 'no error output'}")
     return Completed(stdout, stderr, status)

@@ -69,6 +69,7 @@ class Booting:
                 ssh_port=inst.internal_ssh_port,
                 llama_server=self.settings.llama_server,
                 frozen_server=inst.machine_id in self.faults.freeze_server,
+                stale_image=inst.machine_id in self.faults.stale_image,
                 engine=toolchain.image_engine(inst.image),
                 vllm_python=self.settings.vllm_python,
             )

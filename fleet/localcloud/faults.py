@@ -131,6 +131,8 @@ class Faults:
     freeze_server: list[int] = field(
         default_factory=list
     )  # machines (set before renting) whose llama-server never starts
+    # machines that boot a stale copy of the image's tag: another build's programs and manifest
+    stale_image: list[int] = field(default_factory=list)
     # machines whose GPU another renter took while our instance there was stopped: a start waits in
     # `scheduling` until the fault is cleared (vast.ai: "subject to resource availability on the machine")
     gpu_taken: list[int] = field(default_factory=list)
@@ -187,6 +189,7 @@ class Faults:
             unreachable_ports=[int(x) for x in data.get("unreachable_ports", [])],
             freeze_server=[int(x) for x in data.get("freeze_server", [])],
             gpu_taken=[int(x) for x in data.get("gpu_taken", [])],
+            stale_image=[int(x) for x in data.get("stale_image", [])],
             missing_images=[str(x) for x in data.get("missing_images", [])],
             private_images={str(k): str(v) for k, v in data.get("private_images", {}).items()},
             credit_usd=float(data["credit_usd"]) if data.get("credit_usd") is not None else None,

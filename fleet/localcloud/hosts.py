@@ -23,6 +23,7 @@ from fleet.localcloud.toolchain import REPO_ROOT
 
 HOST_SCRIPTS = REPO_ROOT / "images" / "llama-server" / "host"
 VLLM_HOST_SCRIPTS = REPO_ROOT / "images" / "vllm" / "host"  # over the shared ones, as images/vllm/Dockerfile
+WRITE_MANIFEST = REPO_ROOT / "images" / "llama-server" / "write-image-manifest"  # as the images' builds run it
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -51,6 +52,7 @@ class LocalHost:
     ssh_port: int  # sshd's port on the private address (the container's port 22)
     llama_server: Path | None
     frozen_server: bool = False  # fault: the host's llama-server stops itself before it even starts
+    stale_image: bool = False  # fault: the machine boots its stale copy of the image's tag (a script differs)
     engine: str = "llama-server"  # what its image serves (toolchain.image_engine)
     vllm_python: Path | None = None  # the vLLM image's python3: scripts/setup-vllm's environment
     roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
@@ -66,6 +68,11 @@ class LocalHost:
     @property
     def log_dir(self) -> Path:
         return self.directory / "log"
+
+    @property
+    def manifest(self) -> Path:
+        """The image's manifest, where the image keeps it (/usr/local/share/fleet beside /usr/local/bin)."""
+        return self.directory / "share" / "fleet" / "image.sha256"
 
     @property
     def bin_dir(self) -> Path:
@@ -143,6 +150,13 @@ class LocalHost:
             os.chmod(wrapper, 0o700)
         elif self.llama_server and self.engine == "llama-server":
             _link(self.llama_server, self.bin_dir / "llama-server")
+        if self.stale_image:  # an older build of the tag: its own fleet-serve, its own manifest
+            stale = self.bin_dir / "fleet-serve"
+            text = stale.read_text()
+            stale.unlink()
+            _write_private(stale, text + "# an older build of this image\n")
+            os.chmod(stale, 0o700)
+        write_manifest(self.bin_dir, self.manifest)
 
         # An SSH session gets the image's environment only: the create call's env is not in it
         # (vast.ai's docs: export it to /etc/environment from onstart to see it there).
@@ -297,6 +311,11 @@ class LocalHost:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def write_manifest(bin_dir: Path, out: Path) -> None:
+    """The image's manifest of the programs in `bin_dir`, written as the image's build writes it."""
+    subprocess.run([str(WRITE_MANIFEST), str(bin_dir), str(out)], check=True, capture_output=True, timeout=60)
 
 
 def _env_name_ok(name: str) -> bool:

@@ -39,7 +39,7 @@ def one_line_error(result) -> str:
         (lambda t: t.replace("min_reliability = 0.98", "min_reliability = 1.5"), "filters.min_reliability"),
         (lambda t: t.replace("[caps]", "[caps]\nmax_hots = 3"), "caps.max_hots: unknown key"),
         (lambda t: t.replace('url = "local"', 'url = "ftp://x"'), "provider.url"),
-        (lambda t: t.replace('url = "local"', 'url = "https://market.example"'), "image: pin it by digest"),
+        (lambda t: t.replace('url = "local"', 'url = "https://market.example"'), "image: pin it off the local cloud"),
         (lambda t: t.replace('image = "ghcr.io/', 'image = "ghcr.io/ x;'), "is not an image reference"),
         (lambda t: t.replace("slots = 3\n", "slots = 0\n", 1), "models.a4b.slots"),
         (lambda t: t.replace('"-md", "{file.draft}"', '"-md", "{file.drafty}"'), "{file.drafty} names no file"),

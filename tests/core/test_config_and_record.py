@@ -160,11 +160,11 @@ def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
     image = re.search(r'^image = "([^"]+)"$', text, re.M)
     assert image
     (tmp_path / "tag.toml").write_text(text)
-    with pytest.raises(config.ConfigError, match="pin it by digest"):
+    with pytest.raises(config.ConfigError, match="pin it off the local cloud, by digest"):
         registry.load(tmp_path / "tag.toml")
     pinned = text.replace(image.group(0), f'image = "{image.group(1)}{digest}"')
     (tmp_path / "one.toml").write_text(pinned)
-    with pytest.raises(config.ConfigError, match="vllm_image: pin it by digest"):  # the vLLM image too
+    with pytest.raises(config.ConfigError, match="vllm_image: pin it off the local cloud"):  # the vLLM image too
         registry.load(tmp_path / "one.toml")
     vllm = re.search(r'^vllm_image = "([^"]+)"$', text, re.M)
     assert vllm
@@ -173,6 +173,27 @@ def test_off_the_local_cloud_the_image_is_pinned_by_digest(tmp_path):
     assert loaded.provider.image == image.group(1) + digest
     assert registry.ENGINES["vllm"].image(loaded.provider) == vllm.group(1) + digest
     assert registry.ENGINES["llama-server"].image(loaded.provider) == image.group(1) + digest
+
+
+def test_off_the_local_cloud_an_image_by_tag_is_pinned_by_its_manifest(tmp_path):
+    text = (ROOT / "fleet.toml").read_text().replace('url = "local"', 'url = "https://market.example"')
+    image = re.search(r'^image = "([^"]+)"$', text, re.M)
+    vllm = re.search(r'^vllm_image = "([^"]+)"$', text, re.M)
+    assert image and vllm and "@sha256:" not in image.group(1)
+    proof = "sha256:" + "0123456789abcdef" * 4
+    proven = text.replace(image.group(0), f'{image.group(0)}\nimage_proof = "{proof}"')
+    (tmp_path / "one.toml").write_text(proven)
+    with pytest.raises(config.ConfigError, match="vllm_image: pin it off the local cloud"):  # each image its own
+        registry.load(tmp_path / "one.toml")
+    proven = proven.replace(vllm.group(0), f'{vllm.group(0)}\nvllm_image_proof = "{proof}"')
+    (tmp_path / "both.toml").write_text(proven)
+    loaded = registry.load(tmp_path / "both.toml")
+    assert registry.ENGINES["llama-server"].image(loaded.provider) == image.group(1)
+    assert registry.ENGINES["llama-server"].image_proof(loaded.provider) == proof
+    assert registry.ENGINES["vllm"].image_proof(loaded.provider) == proof
+    (tmp_path / "bad.toml").write_text(proven.replace(f'image_proof = "{proof}"', 'image_proof = "sha256:abc"', 1))
+    with pytest.raises(config.ConfigError, match="image_proof"):
+        registry.load(tmp_path / "bad.toml")
 
 
 def test_a_vllm_profile_needs_the_vllm_image_and_a_repository(tmp_path):
