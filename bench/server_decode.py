@@ -18,7 +18,7 @@ over all sequences, and the server's share of it. Target (issue 43): >= 0.85 at 
 this CPU the pass itself is slow, so the share reads higher than on a card, and the ratio between the paths is
 what the patch changes.
 
-Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2] [--serial-sampling]
+Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2]
        [--beside 'FLAGS'] [--stacks N] [--json FILE]
 Builds what is missing (scripts/build-llama-server builds llama-batched-bench beside llama-server). On a card
 (bench/gpu/run streams): --model-file GGUF --flags '-ngl 99 -fa on' --bin-dir the CUDA build's bin.
@@ -128,13 +128,14 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
     flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
     rows = []
     beside: dict[int, float] = {}
-    if args.beside:
-        # the same binary with the server's flags beside: one difference, on the top-k first path
-        with llama_server(bin_dir / "llama-server", model, *flags, *shlex.split(args.beside), timeout_s=600) as url:
+    if args.beside or args.beside_bin:
+        # the same binary with the server's flags beside, or another build: one difference, on the top-k first path
+        other = (args.beside_bin or bin_dir) / "llama-server"
+        with llama_server(other, model, *flags, *shlex.split(args.beside), timeout_s=600) as url:
             for n in streams:
                 runs = [asyncio.run(server_rate(url, n, args.tokens, TOP_K_FIRST)) for _ in range(args.repeats)]
                 beside[n] = statistics.median(runs)
-                print(f"  {name} at {n} streams, with {args.beside}: {beside[n]:.0f} tok/s", file=sys.stderr)
+                print(f"  {name} at {n} streams, beside: {beside[n]:.0f} tok/s", file=sys.stderr)
     with llama_server(bin_dir / "llama-server", model, *flags, timeout_s=600) as url:
         for n in streams:
             fast, whole = [], []
@@ -183,15 +184,16 @@ def _child_server(proc: Path) -> bool:
     return comm == "llama-server" and int(fields[1]) == os.getpid()
 
 
-def table(rows: list[Row], title: str, beside_flags: str = "") -> str:
+def table(rows: list[Row], title: str, beside: str = "") -> str:
+    """`beside`: what the second server differs by, as the table's columns name it."""
     shown = any(r.beside for r in rows)
     lines = [
         title,
         "",
         "| model | vocab | streams | whole vocab | "
-        + (f"top-k first, `{beside_flags}` | " if shown else "")
+        + (f"top-k first, {beside} | " if shown else "")
         + "top-k first | batched-bench | share before | share after | after / before |"
-        + (f" as shipped / `{beside_flags}` |" if shown else ""),
+        + (f" as shipped / {beside} |" if shown else ""),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if shown else ""),
     ]
     for r in rows:
@@ -215,12 +217,10 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="flags for both programs, e.g. '-ngl 99 -fa on' on a card")
     parser.add_argument("--bin-dir", type=Path, help="llama-server and llama-batched-bench (default: this build)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument(
-        "--serial-sampling",
-        action="store_true",
-        help="--beside '--threads-sampling 1': patch 0006's selection of the streams' candidates at once off",
-    )
     parser.add_argument("--beside", default="", help="also the top-k first path on a server with these flags too")
+    parser.add_argument(
+        "--beside-bin", type=Path, help="also the top-k first path on this build's llama-server (e.g. one patch less)"
+    )
     parser.add_argument(
         "--stacks",
         type=int,
@@ -228,8 +228,6 @@ def main() -> None:
         help="then sample the server's thread this many times at the most streams (gdb or cuda-gdb)",
     )
     args = parser.parse_args()
-    if args.serial_sampling:
-        args.beside = f"{args.beside} --threads-sampling 1".strip()
     bin_dir = args.bin_dir or build()
     rows: list[Row] = []
     if args.model_file:
@@ -245,7 +243,9 @@ def main() -> None:
                                         indent=2))  # fmt: skip
     title = (f"llama-server against llama-batched-bench, {bin_dir.parents[1].name}, {args.threads} threads, "
              f"{args.tokens} tokens a stream, tokens/s over all streams (median of {args.repeats})")  # fmt: skip
-    print(table(rows, title, args.beside))
+    differs = [f"`{args.beside}`"] if args.beside else []
+    differs += [f"the server in `{args.beside_bin}`"] if args.beside_bin else []
+    print(table(rows, title, ", ".join(differs)))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,12 @@ import httpx
 from fleet.localcloud.network import free_port
 
 LAST_WORDS = 8  # lines of a server's log that failing to start repeats
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str  # the base URL
+    pid: int  # the server's process (its threads are under /proc/PID/task)
 
 
 @contextmanager
@@ -30,6 +37,20 @@ def llama_server(
     """Serve `model` on a free loopback port in its own process group; yield the base URL; end it. With
     `tls` (the flags carry --ssl-key-file and --ssl-cert-file), the URL is https:// and checked with it; with
     `log`, what the server prints goes there."""
+    with serving(binary, model, *flags, timeout_s=timeout_s, tls=tls, log=log) as served:
+        yield served.url
+
+
+@contextmanager
+def serving(
+    binary: Path,
+    model: Path,
+    *flags: str,
+    timeout_s: float = 20.0,
+    tls: ssl.SSLContext | None = None,
+    log: Path | None = None,
+) -> Iterator[Served]:
+    """llama_server's process, with its PID beside the URL."""
     port = free_port()
     with log.open("w") if log else open(os.devnull, "w") as out:
         process = subprocess.Popen(
@@ -52,7 +73,7 @@ def llama_server(
                 said = log.read_text(errors="replace").strip().splitlines()[-LAST_WORDS:] if log else []
                 raise RuntimeError("\n".join([f"llama-server did not come up on {base}", *said]))
             time.sleep(0.05)
-        yield base
+        yield Served(base, process.pid)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)

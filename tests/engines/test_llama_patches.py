@@ -22,7 +22,7 @@ def test_the_series_names_every_patch_and_both_sides_key_the_cache_alike():
         "0003-streams-apart-in-one-pass.patch",
         "0004-top-k-from-the-logits.patch",
         "0005-cache-salt.patch",
-        "0006-sample-the-streams-at-once.patch",
+        "0006-wake-only-the-waiting-reader.patch",
     ]
     assert sorted(p.name for p in toolchain.PATCHES.glob("*.patch")) == sorted(names)
     for name in names:

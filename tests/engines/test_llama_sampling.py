@@ -78,11 +78,11 @@ def test_a_logit_bias_reaches_the_candidates_top_k_takes_from_the_logits(server)
     assert json.dumps(forced) == json.dumps(whole)
 
 
-# Patch 0006 selects the top-k candidates of every sequence a step samples at once, on the server's CPU threads,
-# and each sampler then takes its own. One request with several prompts makes their tasks start in the same
-# step, so the batches are the same on both paths and each prompt's tokens must be too. With a draft model (the
-# same model, so that drafts are often accepted and sometimes not), a step samples several outputs of each
-# sequence, and those a rejected draft leaves unsampled must not reach the next step.
+# Several sequences sampled in one step each take their own top-k from their own row of logits (patch 0004). One
+# request with several prompts makes their tasks start in the same step, so the batches are the same on both paths
+# and each prompt's tokens must be too. With a draft model (the same model, so that drafts are often accepted and
+# sometimes not), a step samples several outputs of each sequence, and those a rejected draft leaves unsampled must
+# not reach the next step.
 MANY = [f"caller {k}: the order ships on" for k in range(8)]
 
 
