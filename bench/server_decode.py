@@ -125,7 +125,7 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
     ceiling = batched_bench(bin_dir, model, streams, args.tokens, common)
     most = max(streams)
     ctx = most * (PROMPT_TOKENS * 4 + args.tokens + 64)
-    flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx)]
+    flags = [*common, "-tb", str(args.threads), "-np", str(most), "-c", str(ctx), *shlex.split(args.server_flags)]
     rows = []
     beside: dict[int, float] = {}
     if args.beside or args.beside_bin:
@@ -215,6 +215,11 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="the model's name in the table (with --model-file)")
     parser.add_argument("--n-vocab", type=int, default=0, help="its vocabulary's size, for the table")
     parser.add_argument("--flags", default="", help="flags for both programs, e.g. '-ngl 99 -fa on' on a card")
+    parser.add_argument(
+        "--server-flags",
+        default="",
+        help="flags for the servers alone, e.g. fleet's host cache flags '-no-kvu --no-cache-idle-slots'",
+    )
     parser.add_argument("--bin-dir", type=Path, help="llama-server and llama-batched-bench (default: this build)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--beside", default="", help="also the top-k first path on a server with these flags too")
@@ -242,7 +247,8 @@ def main() -> None:
                                                       "share_whole_vocab": r.share_whole_vocab} for r in rows],
                                         indent=2))  # fmt: skip
     title = (f"llama-server against llama-batched-bench, {bin_dir.parents[1].name}, {args.threads} threads, "
-             f"{args.tokens} tokens a stream, tokens/s over all streams (median of {args.repeats})")  # fmt: skip
+             + (f"servers with `{args.server_flags}`, " if args.server_flags else "")
+             + f"{args.tokens} tokens a stream, tokens/s over all streams (median of {args.repeats})")  # fmt: skip
     differs = [f"`{args.beside}`"] if args.beside else []
     differs += [f"the server in `{args.beside_bin}`"] if args.beside_bin else []
     print(table(rows, title, ", ".join(differs)))
