@@ -30,7 +30,7 @@ from fleet.host import templates
 from fleet.host.attempts import AttemptReport, attempt_row, end_attempt
 from fleet.host.bringup import BringUp, image_login
 from fleet.host.endpoints import publish
-from fleet.host.phase import PhaseFailed
+from fleet.host.phase import DiskFull, PhaseFailed
 from fleet.host.teardown import contained_fail, to_the_end
 from fleet.market import AuthError, CreditSpent, Offer, OfferGone
 
@@ -162,6 +162,7 @@ async def bring_up_one(
         if resumed is not None:
             return resumed
     tried: set[int] = set()
+    filled: set[int] = set()  # machines whose disk filled: two say it is the profile's
     last_reason = "no offer passed the filters"
     for _ in range(ctx.settings.up.max_attempts):
         offer = await picker.claim(tried)
@@ -200,9 +201,12 @@ async def bring_up_one(
             if not await contained_fail(ctx, host, e.phase, e.reason, e.blacklist):
                 report.seconds = time.monotonic() - started
                 return f"stopped: the instance of {host.name} could not be destroyed; `fleet reconcile` will"
-            if not e.retry:
+            if isinstance(e, DiskFull):
+                filled.add(offer.machine_id)
+            if not e.retry or len(filled) >= 2:
                 report.seconds = time.monotonic() - started
-                return f"stopped: {e.phase}: {e.reason}"
+                alike = " (the disks of two machines filled alike)" if len(filled) >= 2 else ""
+                return f"stopped: {e.phase}: {e.reason}{alike}"
         except Exception as e:  # anything else: this host's instance goes, its siblings carry on
             report.outcome, report.phase, report.reason = "failed", host.state, f"{type(e).__name__}: {e}"
             await contained_fail(ctx, host, host.state, report.reason, False)

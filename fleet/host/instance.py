@@ -11,7 +11,7 @@ from fleet.context import Context
 from fleet.core.config import Timeouts
 from fleet.core.models import Host, as_utc, utcnow
 from fleet.engines import SERVICE_PORT
-from fleet.host.phase import PhaseFailed
+from fleet.host.phase import DiskFull, PhaseFailed
 from fleet.market import HEARTBEAT_LOST, Instance
 
 
@@ -89,6 +89,12 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
                 take_instance_price(ctx, host, instance)
             if instance.status == "running" and instance.ssh_endpoint() and instance.service_endpoint(SERVICE_PORT):
                 return instance
+            if error := instance.disk_error():
+                raise DiskFull(
+                    "boot",
+                    "the instance's disk does not hold the image (the profile's disk_gb may be too small, or the"
+                    f" image larger than provider.image_gb or vllm_image_gb says): {error}",
+                )
             if error := instance.image_error():
                 # the same on every machine: our image's name, or its registry's login, is wrong
                 raise PhaseFailed(

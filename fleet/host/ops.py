@@ -21,8 +21,9 @@ from fleet.core.config import Profile
 from fleet.engines import MODELS_DIR, RUN_DIR, TEMPLATE_FILE
 from fleet.engines.registry import engine_of
 from fleet.host import hubfile
-from fleet.host.phase import PhaseFailed
+from fleet.host.phase import DiskFull, PhaseFailed
 from fleet.host.remote import RemoteError, run, run_streaming
+from fleet.market import DISK_FULL
 from fleet.probes.server import Server
 
 # What a host's script may print as a number: ASCII digits, as many as a byte count or /proc's kB take
@@ -82,6 +83,12 @@ async def pull_file(
             last = await pulled.run(conn, hub_file, dest, connections, stall_s)
             break
         except RemoteError as e:
+            if DISK_FULL.search(str(e)):
+                raise DiskFull(
+                    "pull",
+                    f"{e} (the disk holds the image too: the profile's disk_gb may be too small, or the image larger"
+                    " than provider.image_gb says)",
+                ) from None
             if pulled.moved_to <= grown_to or renewal == URL_RENEWALS:
                 raise PhaseFailed("pull", str(e)) from None
             # a long pull outlives its signed URL

@@ -17,3 +17,12 @@ class PhaseFailed(FleetError):
         self.reason = reason
         self.blacklist = blacklist
         self.retry = retry
+
+
+class DiskFull(PhaseFailed):
+    """The host's disk filled (the image did not fit, or the weights after it). The profile's disk_gb or the
+    image's size may be to blame as much as the machine, which blames none; two machines filling alike show it
+    is the profile's (one machine's word alone never stops a bring-up)."""
+
+    def __init__(self, phase: str, reason: str) -> None:
+        super().__init__(phase, reason, blacklist=False)

@@ -12,7 +12,7 @@ import logging
 import time
 from pathlib import Path
 
-from fleet.localcloud import billing, network, procs, toolchain
+from fleet.localcloud import billing, disks, network, procs, toolchain
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import Faults
 from fleet.localcloud.hosts import HostError, LocalHost
@@ -70,6 +70,7 @@ class Booting:
                 llama_server=self.settings.llama_server,
                 frozen_server=inst.machine_id in self.faults.freeze_server,
                 stale_image=inst.machine_id in self.faults.stale_image,
+                disk_bytes=int(inst.disk * 1e9) - image_bytes(inst.image, self.faults.image_sizes),
                 engine=toolchain.image_engine(inst.image),
                 vllm_python=self.settings.vllm_python,
             )
@@ -171,6 +172,15 @@ class Booting:
         if not restart:  # a restarted instance finds its image on the machine
             await self._pull_image(inst)
             if inst.id not in self.state.instances:
+                return
+            if image_bytes(inst.image, self.faults.image_sizes) + disks.MIN_BYTES > inst.disk * 1e9:
+                # the allocation holds the image too, and cannot grow: its layers do not fit, and the platform
+                # gives the start up
+                self._set_status(
+                    inst, "created", "Error response from daemon: failed to register layer: no space left on device"
+                )
+                inst.intended_status = "stopped"
+                self.save()
                 return
         # Docker publishes a container's ports as it starts it, and its processes learn them from their
         # environment (identity ports bind there): the mapping comes first, then the environment that names it

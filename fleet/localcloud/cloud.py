@@ -395,5 +395,5 @@ class Cloud(Power, SshKeys):
         # then end every host's processes.
         await asyncio.get_running_loop().shutdown_default_executor()
         for inst in self.state.instances.values():
-            self.host_for(inst).stop()
+            self.host_for(inst).shut_down()
         self.save()

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleet.localcloud import procs, toolchain
+from fleet.localcloud import disks, procs, toolchain
 from fleet.localcloud.toolchain import REPO_ROOT
 
 HOST_SCRIPTS = REPO_ROOT / "images" / "llama-server" / "host"
@@ -53,6 +53,7 @@ class LocalHost:
     llama_server: Path | None
     frozen_server: bool = False  # fault: the host's llama-server stops itself before it even starts
     stale_image: bool = False  # fault: the machine boots its stale copy of the image's tag (a script differs)
+    disk_bytes: int | None = None  # what the container may write: its disk allocation less its image (disks.py)
     engine: str = "llama-server"  # what its image serves (toolchain.image_engine)
     vllm_python: Path | None = None  # the vLLM image's python3: scripts/setup-vllm's environment
     roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
@@ -111,6 +112,12 @@ class LocalHost:
         """Lay out the host directory: PATH, the SSH session's environment, the sshd config."""
         if not Path(toolchain.sshd_path()).exists():
             raise HostError(f"{toolchain.sshd_path()} not found: install Debian's openssh-server")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.disk_bytes is not None:
+            try:
+                disks.attach(self.directory, self.root, self.disk_bytes)
+            except (disks.DiskError, OSError) as e:
+                raise HostError(f"its disk could not be made: {e}") from None
         for d in (self.root, self.root / ".ssh", self.etc, self.log_dir, self.bin_dir, self.directory / "tmux"):
             d.mkdir(parents=True, exist_ok=True)
         (self.directory / "tmp").mkdir(exist_ok=True)
@@ -308,8 +315,13 @@ class LocalHost:
         """End every process of the host; return how many there were."""
         return procs.end_host_processes(self.token, self._roots())
 
-    def remove(self) -> None:
+    def shut_down(self) -> None:
+        """End every process of the host and let go of its disk (kept for a later boot)."""
         self.stop()
+        disks.detach(self.root)
+
+    def remove(self) -> None:
+        self.shut_down()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -274,6 +274,13 @@ class Instance:
             return msg
         return None
 
+    def disk_error(self) -> str | None:
+        """The image did not fit the disk the create call asked for (vast.ai's allocation holds it too)."""
+        msg = self.status_msg or ""
+        if self.status in (None, "created", "loading", "exited") and DISK_FULL.search(msg):
+            return msg
+        return None
+
     def ssh_endpoint(self) -> tuple[str, int] | None:
         """Direct (public IP and the port mapped to 22) when there is one, else the gateway."""
         if self.public_ip and 22 in self.ports:
@@ -311,6 +318,9 @@ IMAGE_ERRORS = re.compile(
     r"exec format error|no matching manifest for",
     re.IGNORECASE,
 )
+
+
+DISK_FULL = re.compile(r"no space left on device", re.IGNORECASE)
 
 
 def reads_gone(row: dict[str, Any]) -> bool:

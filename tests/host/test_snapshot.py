@@ -196,7 +196,7 @@ def test_a_local_cloud_without_vllm_refuses_the_vllm_image_at_its_pull_and_says_
     # on an event loop of its own: the cloud's shutdown ends its loop's default executor
     async def run() -> None:
         cloud = Cloud(CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, vllm_python=None))
-        body = {"image": "ghcr.io/fleet-voice/vllm:0.32.0", "disk": 10, "label": "fleet-test", "runtype": "ssh_direct"}
+        body = {"image": "ghcr.io/fleet-voice/vllm:0.32.0", "disk": 20, "label": "fleet-test", "runtype": "ssh_direct"}
         try:
             refused = cloud.state.instances[cloud.create(cloud.offers[0]["id"], body)]
             assert refused.pull_error and "run scripts/setup-vllm" in refused.pull_error

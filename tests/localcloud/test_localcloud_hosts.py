@@ -212,11 +212,13 @@ async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api,
     offer = await cheapest_offer(api)
     seconds = 4.0  # of the image's pull, at the offer's link and the cloud's clock: time to take its ports
     image = "fleet/port-taken:test"
-    cloud.set_faults({"image_sizes": {image: int(seconds / 0.01 * offer["inet_down"] * 1e6 / 8)}})
+    size = int(seconds / 0.01 * offer["inet_down"] * 1e6 / 8)
+    cloud.set_faults({"image_sizes": {image: size}})
     held: list[socket.socket] = []
     try:
         onstart = f'echo "$VAST_TCP_PORT_{SERVICE_PORT}" > onstart-env.txt'
-        instance_id = await rent(api, offer["id"], image=image, onstart=onstart)
+        # the disk holds the image too
+        instance_id = await rent(api, offer["id"], image=image, onstart=onstart, disk=size / 1e9 + 10)
         deadline = time.monotonic() + 30
         while (inst := cloud.state()["instances"][str(instance_id)])["status"] != "loading":
             assert time.monotonic() < deadline, "the instance never started loading"
@@ -251,10 +253,11 @@ async def test_a_boot_that_fails_unforeseen_leaves_its_instance_exited_saying_wh
     # loads) must not leave the instance in `loading` for a client to wait out: it reads exited, with the error
     offer = await cheapest_offer(api)
     image = "fleet/boot-fails:test"
-    cloud.set_faults({"image_sizes": {image: int(3.0 / 0.01 * offer["inet_down"] * 1e6 / 8)}})
+    size = int(3.0 / 0.01 * offer["inet_down"] * 1e6 / 8)
+    cloud.set_faults({"image_sizes": {image: size}})
     taken = None
     try:
-        instance_id = await rent(api, offer["id"], image=image)
+        instance_id = await rent(api, offer["id"], image=image, disk=size / 1e9 + 10)  # the disk holds the image
         deadline = time.monotonic() + 30
         while cloud.state()["instances"][str(instance_id)]["status"] != "loading":
             assert time.monotonic() < deadline, "the instance never started loading"
