@@ -270,7 +270,7 @@ class BringUp:
             try:
                 async with self.ctx.waits.on("ssh"):
                     await imageproof.prove(self.conn, pinned, self.ctx.settings.timeouts.port_check)
-            except imageproof.ImageNotPinned as e:
+            except (imageproof.ImageNotPinned, RemoteError) as e:
                 raise PhaseFailed("connect", str(e)) from None  # this machine's copy of the tag: blamed
         then = "checking the weights it kept" if self.resume else "pulling weights"
         self.ctx.reporter.info(self.host.name, f"SSH {endpoint[0]}:{endpoint[1]} (host key pinned); {then}")
