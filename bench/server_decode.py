@@ -12,6 +12,10 @@ typical-p (at 1.0, which changes nothing) before top-k takes the whole-vocabular
 same build twice, "top-k first" (0004's path) and "whole vocab" (llama.cpp's path before it), and the
 tests (tests/engines/test_llama_sampling.py) show both give the same tokens.
 
+Every request streams its reply, as voice agents do: each token is then a result the server's thread hands to
+that request's HTTP thread, which patch 0006 made cost one wakeup, not one for every waiting request (results
+before 2026-12-07 were measured with whole replies).
+
 Rows: for each model (the tiny llama with Gemma's vocabulary, and with a 356-token vocabulary for contrast),
 each number of streams: the server's tokens a second a stream and over all streams on each path, batched-bench's
 over all sequences, and the server's share of it. Target (issue 43): >= 0.85 at 64 streams on the card; on
@@ -94,10 +98,16 @@ async def server_rate(url: str, streams: int, tokens: int, samplers: list[str]) 
 
     async def one(client: httpx.AsyncClient, k: int) -> int:
         body = {"prompt": f"caller {k}: " + "the order ships " * 4, "n_predict": tokens, "ignore_eos": True,
-                "cache_prompt": False, "seed": 1000 + k, "samplers": samplers, "typ_p": 1.0, **SAMPLING}  # fmt: skip
-        reply = await client.post(f"{url}/completion", json=body)
-        reply.raise_for_status()
-        return int(reply.json()["timings"]["predicted_n"])
+                "cache_prompt": False, "seed": 1000 + k, "samplers": samplers, "typ_p": 1.0, "stream": True,
+                **SAMPLING}  # fmt: skip
+        # streamed, as voice agents read replies: each token is a result the server hands to this request's
+        # HTTP thread (a whole reply is one, and hid patch 0006's cost)
+        async with client.stream("POST", f"{url}/completion", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if line.startswith("data: ") and (chunk := json.loads(line[6:])).get("stop"):
+                    return int(chunk["timings"]["predicted_n"])
+        raise RuntimeError(f"stream {k} ended without its last chunk")
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
         await one(client, -1)  # warm-up: the first request pays for the server's first graphs
