@@ -191,7 +191,7 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
         # a script beside them that reads the database many times a second, each time on a new connection:
         # when the daemon has lost its locks, the first of these to close takes the WAL away from under it
         reader = subprocess.Popen([sys.executable, "-c", READER, str(db_path)], stdout=subprocess.PIPE, text=True)
-        for _ in range(12):  # a stream of other commands, each its own process and engine
+        for _ in range(4):  # a stream of other commands, each its own process and engine
             for args in (("status",), ("endpoints",), ("machines", "--json")):
                 done = fleet(env, *args)
                 assert done.returncode == 0, done.stderr
@@ -207,7 +207,7 @@ def test_the_daemon_and_a_stream_of_other_commands_share_the_database_unharmed(c
         log.close()
     text = (tmp_path / "daemon.log").read_text()
     assert code == 0, text
-    assert commands == 36 and ticks_after - ticks_before >= 10  # the daemon kept working throughout
+    assert commands == 12 and ticks_after - ticks_before >= 10  # the daemon kept working throughout
     assert wal_missing == 0  # the daemon's connections held the database open: no one took the WAL away
     assert "Traceback" not in text and "raised an exception" not in text and "disk I/O error" not in text, text
     assert "alembic" not in text and "another daemon" not in text  # one daemon alone, and no migration chatter
