@@ -18,9 +18,10 @@ from fleet.localcloud.llamaproc import serving
 
 STREAMS = 32
 TOKENS = 64
-# Patched, a token wakes its own stream's thread once or twice (the result, the socket); unpatched it woke about
-# every stream's waiting thread, so the ratio grew with the streams (measured on this CPU in the patch's note).
-WAKEUPS_A_TOKEN = 4
+# Patched, a token wakes its own stream's thread once or twice (the result, the socket), up to 3.5 times on a machine
+# whose cores are both busy; unpatched it woke about every stream's waiting thread: 40-56 a token at 32 streams
+# on this CPU (the patch's note). A quarter of the streams is far from both.
+WAKEUPS_A_TOKEN = STREAMS // 4
 
 
 @pytest.fixture(scope="module")
@@ -44,40 +45,59 @@ def voluntary_switches(pid: int) -> int:
     return total
 
 
-async def stream(client: httpx.AsyncClient, url: str, k: int, tokens: int, seen: list[int], leave_after: int = 0):
-    """One streaming completion: its chunks' token counts; `seen` records each chunk's stream in arrival order.
-    With `leave_after`, the client closes the stream after that many chunks."""
-    body = {"prompt": f"caller {k} asks when the order ships", "n_predict": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_tokens": True}  # fmt: skip
-    chunks: list[int] = []
-    async with client.stream("POST", f"{url}/completion", json=body) as reply:
-        assert reply.status_code == 200
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            chunks.append(len(chunk.get("tokens", [])))
-            seen.append(k)
-            if leave_after and len(chunks) >= leave_after:
-                break
-            if chunk.get("stop"):
-                assert chunk["tokens_predicted"] == tokens
-                break
-    return chunks
+class Stream:
+    """One streaming completion on a connection of its own, opened before any request is sent: a run writes
+    every request at once (an HTTP client's work per request, on a busy machine, spread them over the steps)."""
+
+    def __init__(self, k: int, tokens: int, leave_after: int = 0) -> None:
+        self.k, self.tokens, self.leave_after = k, tokens, leave_after
+        self.chunks: list[int] = []  # each event's token count
+
+    async def open(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.reader, self.writer = await asyncio.open_connection(host, int(port))
+
+    def send(self) -> None:
+        body = json.dumps({"prompt": f"caller {self.k} asks when the order ships", "n_predict": self.tokens,
+                           "temperature": 0, "ignore_eos": True, "stream": True, "return_tokens": True})  # fmt: skip
+        head = (f"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+        self.writer.write((head + body).encode())
+
+    async def read(self) -> list[int]:
+        """The reply's events until its last (or until `leave_after` of them, when the client leaves)."""
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+        pending = b""
+        try:
+            while size := int((await self.reader.readline()).strip(), 16):
+                pending += await self.reader.readexactly(size)
+                await self.reader.readexactly(2)
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: "):
+                        continue
+                    chunk = json.loads(event[len(b"data: ") :])
+                    self.chunks.append(len(chunk.get("tokens", [])))
+                    if self.leave_after and len(self.chunks) >= self.leave_after:
+                        return self.chunks
+                    if chunk.get("stop"):
+                        assert chunk["tokens_predicted"] == self.tokens
+                        return self.chunks
+        finally:
+            self.writer.close()
+        return self.chunks
 
 
-def client() -> httpx.AsyncClient:
-    # connections kept open between runs: a run's requests then leave at once, and its streams run together
-    limits = httpx.Limits(max_connections=STREAMS + 1, max_keepalive_connections=STREAMS + 1)
-    return httpx.AsyncClient(timeout=300, limits=limits)
-
-
-async def many(http: httpx.AsyncClient, url: str, leaving: int = 0) -> list[list[int]]:
-    seen: list[int] = []
-    runs = [stream(http, url, k, TOKENS, seen) for k in range(STREAMS)]
+async def many(url: str, leaving: int = 0) -> list[list[int]]:
+    streams = [Stream(k, TOKENS) for k in range(STREAMS)]
     if leaving:
-        runs.append(stream(http, url, STREAMS, 200, seen, leave_after=leaving))
-    return await asyncio.gather(*runs)
+        streams.append(Stream(STREAMS, 200, leave_after=leaving))
+    await asyncio.gather(*(s.open(url) for s in streams))
+    for s in streams:
+        s.send()
+    await asyncio.gather(*(s.writer.drain() for s in streams))
+    return await asyncio.gather(*(s.read() for s in streams))
 
 
 async def metrics(http: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -88,10 +108,10 @@ async def metrics(http: httpx.AsyncClient, url: str) -> dict[str, float]:
 async def counted(server) -> tuple[list[list[int]], int, float]:
     """A warm-up run, then a run of STREAMS streams at once: their chunks, the voluntary context switches of the
     server's threads during it, and the tokens it generated for each llama_decode call (the streams a step)."""
-    async with client() as http:
-        await many(http, server.url)  # the slots, the connections, the HTTP threads and the graphs exist
+    await many(server.url)  # the slots, the HTTP threads and the graphs exist before counting
+    async with httpx.AsyncClient(timeout=60) as http:
         before, switches = await metrics(http, server.url), voluntary_switches(server.pid)
-        replies = await many(http, server.url)
+        replies = await many(server.url)
         switches = voluntary_switches(server.pid) - switches
         after = await metrics(http, server.url)
     decodes = after["n_decode_total"] - before["n_decode_total"]
@@ -103,16 +123,12 @@ def test_a_token_wakes_its_own_stream_not_every_stream(server):
     tokens = sum(sum(chunks) for chunks in replies)
     assert tokens == STREAMS * TOKENS  # every stream got its own tokens: none lost, none another stream's
     # the streams ran together (unpatched, each token then woke every other stream's waiting thread)
-    assert together >= STREAMS / 4, together
+    assert together >= STREAMS / 2, together
     assert switches / tokens <= WAKEUPS_A_TOKEN, f"{switches} voluntary switches for {tokens} tokens"
 
 
 def test_a_stream_its_client_leaves_ends_and_the_others_go_on(server):
-    async def run() -> list[list[int]]:
-        async with client() as http:
-            return await many(http, server.url, leaving=4)
-
-    replies = asyncio.run(run())
+    replies = asyncio.run(many(server.url, leaving=4))
     *whole, left = replies
     assert len(left) == 4
     assert [sum(chunks) for chunks in whole] == [TOKENS] * STREAMS
