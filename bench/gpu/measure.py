@@ -435,9 +435,9 @@ def streams(only: list[str]) -> None:
                 "--bin-dir", str(Path(os.environ["FLEET_LLAMA_SERVER"]).parent), "--threads", "8",
                 "--streams", os.environ.get("STREAMS", "1,8,16,32,64"), "--tokens", "80",
                 "--repeats", os.environ.get("STREAM_REPEATS", "1"), "--stacks", os.environ.get("STREAM_STACKS", "0"),
-                *(["--beside", os.environ["STREAM_BESIDE"]] if os.environ.get("STREAM_BESIDE") else []),
+                *([f"--beside={os.environ['STREAM_BESIDE']}"] if os.environ.get("STREAM_BESIDE") else []),
                 *(["--beside-bin", os.environ["STREAM_BESIDE_BIN"]] if os.environ.get("STREAM_BESIDE_BIN") else []),
-                *(["--server-flags", os.environ["STREAM_SERVER_FLAGS"]] if "STREAM_SERVER_FLAGS" in os.environ else []),
+                *([f"--server-flags={os.environ['STREAM_SERVER_FLAGS']}"] if "STREAM_SERVER_FLAGS" in os.environ else []),
                 "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
         found = run_to_end(argv, timeout=600)
         (LOGS / f"streams-{name}.log").write_text(found.stderr)
