@@ -314,8 +314,9 @@ class Booting:
                 return
             vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
             if vanish_after is not None and running_for >= vanish_after:
-                # the machine is gone with everything on it: its processes end before show stops finding it
-                await asyncio.to_thread(self.host_for(inst).stop)
+                # the machine is gone with everything on it: its processes (the unmount of its disk among them)
+                # end before show stops finding it
+                await asyncio.to_thread(self.host_for(inst).shut_down)
                 await self._network(inst).stop()
                 await self._forget(inst.id)
                 return
