@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from fleet.localcloud import control, procs, toolchain
-from tests import schedule
 from tests.helpers import processes_mentioning
 from tests.install_beside import InstallBeside, held, shipped_ports
 from tests.secrets_watch import SecretsWatch
@@ -24,17 +23,6 @@ BESIDE = pytest.StashKey[InstallBeside]()
 def _say(config: pytest.Config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     reporter.write_line(line) if reporter is not None else print(line, file=sys.stderr)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """The workers get the modules in the order the collection puts them in (longest first, below), not in
-    xdist's own (by how many tests a module has)."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    schedule.longest_first(items, schedule.module_seconds(schedule.SECONDS_FILE.read_text()))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
