@@ -562,23 +562,35 @@ async def test_a_host_whose_props_lie_is_held_to_its_slots_and_drains_no_honest_
         lying: subprocess.Popen | None = None
         try:
             host_dir = cloud.info.state_dir / "hosts" / str(liar.instance_id)
-            pid, _, _ = _serving_process(host_dir)
+            pid, address, port = _serving_process(host_dir)
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
             environ = dict(
                 kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv
             )
             cwd = os.readlink(f"/proc/{pid}/cwd")
             os.kill(pid, signal.SIGKILL)
+            # the port is free once the killed server has let go of it: its exit on a busy machine takes a while,
+            # and a liar started before then may find the port taken and exit (a run beside a CPU hog: "the
+            # lying server did not come up", its words lost)
+            for _ in range(600):
+                with socket.socket() as probe:
+                    if probe.connect_ex((address, port)) != 0:
+                        break
+                await asyncio.sleep(0.1)
             argv[argv.index("-np") + 1], argv[argv.index("-c") + 1] = "4", "8192"
-            lying = subprocess.Popen(argv, cwd=cwd, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            log = tmp_path / "lying.log"
+            with log.open("wb") as out:
+                lying = subprocess.Popen(argv, cwd=cwd, env=environ, stdout=out, stderr=subprocess.STDOUT)
             async with fleet.server(liar).client(timeout=10) as client:
                 for _ in range(600):
                     with contextlib.suppress(httpx.HTTPError):
                         if (await client.get("/props")).json().get("total_slots") == 4:
                             break
+                    if lying.poll() is not None:
+                        pytest.fail(f"the lying server exited {lying.returncode}: {log.read_text()[-600:]}")
                     await asyncio.sleep(0.1)
                 else:
-                    pytest.fail("the lying server did not come up")
+                    pytest.fail(f"the lying server did not come up: {log.read_text()[-600:]}")
             report = await fleet.bench(liar.name, max_callers=None, waves=1, warmup=0, max_tokens=8)
             assert max(level.callers for level in report.levels) == liar.slots == 1  # only what fleet started
             assert report.capacity.callers <= liar.slots
