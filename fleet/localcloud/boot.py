@@ -344,8 +344,8 @@ class Booting:
             if share > 0:
                 # stopped for `share` of the wall clock, however late a busy event loop wakes: a running spell
                 # that overslept is made up by the next stop, up to SAG_MAKEUP_S. One period's worth was too
-                # little: a spell late by half a second kept a 0.8 sag to 0.18 s stopped in 0.68, the likeliest
-                # reason a thermal test read its hot host at 1.38 of cold with seven workers starting at once
+                # little: a spell late by half a second kept a 0.8 sag to 0.18 s stopped in 0.68 (a thermal test
+                # on a loaded machine once read its sagging host at 1.38 of its cold rate)
                 pids = _llama_server_pids(inst.token)
                 began = time.monotonic()
                 procs.pause(pids)
