@@ -114,10 +114,12 @@ async def many(url: str, leaving: int = 0, during: Callable[[], Awaitable[None]]
         if pid:
             procs.resume([pid])
     beside = asyncio.ensure_future(during()) if during is not None else None
-    replies = await asyncio.gather(*(s.read() for s in streams))
-    if beside is not None:
-        await beside
-    return replies
+    try:
+        return await asyncio.gather(*(s.read() for s in streams))
+    finally:
+        if beside is not None:  # done, or still waiting for streams that all ended before a poll saw them
+            beside.cancel()
+            await asyncio.gather(beside, return_exceptions=True)
 
 
 @dataclass
@@ -148,8 +150,8 @@ async def counted(server) -> tuple[list[list[int]], Window]:
                     now = (gauges["n_decode_total"], voluntary_switches(server.pid))
                     first = first or now
                     window.decodes, window.switches = now[0] - first[0], now[1] - first[1]
-                elif first is not None or (gauges["requests_processing"] == 0 and gauges["n_decode_total"] > 0):
-                    return  # a stream has ended (or all had before a poll saw them together)
+                elif first is not None:
+                    return  # a stream has ended
                 await asyncio.sleep(0.02)
 
         replies = await many(server.url, during=measure, pid=server.pid)
