@@ -437,7 +437,7 @@ def streams(only: list[str]) -> None:
                 "--repeats", os.environ.get("STREAM_REPEATS", "1"), "--stacks", os.environ.get("STREAM_STACKS", "0"),
                 *([f"--beside={os.environ['STREAM_BESIDE']}"] if os.environ.get("STREAM_BESIDE") else []),
                 *(["--beside-bin", os.environ["STREAM_BESIDE_BIN"]] if os.environ.get("STREAM_BESIDE_BIN") else []),
-                *([f"--server-flags={os.environ.get('STREAM_SERVER_FLAGS', '')}"]),
+                f"--server-flags={os.environ.get('STREAM_SERVER_FLAGS', '')}",  # empty: llama-server's defaults
                 "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
         found = run_to_end(argv, timeout=600)
         (LOGS / f"streams-{name}.log").write_text(found.stderr)
