@@ -46,7 +46,7 @@ class CardModel:
             return first_total / first_streams * streams
         if streams >= self.levels[-1][0]:
             return self.levels[-1][1]
-        i = bisect_left([s for s, _ in self.levels], streams)
+        i = bisect_left(self.levels, streams, key=lambda level: level[0])
         (s0, t0), (s1, t1) = self.levels[i - 1], self.levels[i]
         return t0 + (t1 - t0) * (streams - s0) / (s1 - s0)
 

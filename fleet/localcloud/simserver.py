@@ -73,11 +73,16 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, g
 
 
 def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """The length of the prefix `a` and `b` share (halving by slices: the comparing is done in C, not a
+    character at a time, for prompts of thousands of tokens on every slot of a request)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -179,9 +184,9 @@ class SimulatedServer:
             while True:
                 idle = [s for s in self._slots if not s.busy]
                 if idle:
-                    ours = [s for s in idle if s.salt == salt and s.cached]
-                    best = max(ours, key=lambda s: _common_prefix(s.cached, prompt), default=None)
-                    if best is None or _common_prefix(best.cached, prompt) == 0:
+                    shared = {id(s): _common_prefix(s.cached, prompt) for s in idle if s.salt == salt and s.cached}
+                    best = max((s for s in idle if shared.get(id(s))), key=lambda s: shared[id(s)], default=None)
+                    if best is None:
                         best = min(idle, key=lambda s: s.used_at)
                         if best.salt != salt:
                             best.cached, best.salt = "", salt  # another salt's state is never reused
