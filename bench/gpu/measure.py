@@ -438,7 +438,7 @@ def streams(only: list[str]) -> None:
                 *([f"--beside={os.environ['STREAM_BESIDE']}"] if os.environ.get("STREAM_BESIDE") else []),
                 *(["--beside-bin", os.environ["STREAM_BESIDE_BIN"]] if os.environ.get("STREAM_BESIDE_BIN") else []),
                 f"--server-flags={os.environ.get('STREAM_SERVER_FLAGS', '')}",  # empty: llama-server's defaults
-                "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
+                "--log-dir", str(LOGS), "--json", str(OUT / f"streams-{name}.json")]  # fmt: skip
         found = run_to_end(argv, timeout=600)
         (LOGS / f"streams-{name}.log").write_text(found.stderr)
         if found.returncode != 0:
@@ -640,7 +640,13 @@ def _levels(name: str, default: str) -> list[int]:
 
 def calls() -> None:
     """The a4b replica on the card with as many slots as it holds; calls and speakers through the gateway and
-    directly (served.calls), and the table."""
+    directly (served.calls), and the table. CALLS_DRAFT_MAX_SLOTS sets the profile's draft_max_slots: below the
+    slots the card holds, the host starts without the draft, as a profile whose draft does not pay at many calls."""
+    if draft_max := os.environ.get("CALLS_DRAFT_MAX_SLOTS"):
+        config, header = G / "fleet-calls.toml", f"[models.{CALLS_PROFILE}]\n"
+        text = Path(os.environ["FLEET_CONFIG"]).read_text()
+        config.write_text(text.replace(header, f"{header}draft_max_slots = {int(draft_max)}\n"))
+        os.environ["FLEET_CONFIG"] = str(config)  # fleet up, run below, reads it too
     settings = registry.load(os.environ["FLEET_CONFIG"])
     profile = settings.profile(CALLS_PROFILE)
     by_name = {(r.repo, r.filename): r for r in replicas.REPLICAS}
