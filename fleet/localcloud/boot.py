@@ -12,11 +12,12 @@ import logging
 import time
 from pathlib import Path
 
-from fleet.localcloud import billing, disks, network, procs, toolchain
+from fleet.localcloud import billing, cardmodel, disks, network, procs, toolchain
 from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import Faults
 from fleet.localcloud.hosts import HostError, LocalHost
 from fleet.localcloud.instances import Instance
+from fleet.localcloud.simboot import SimulatedLocalHost
 from fleet.localcloud.state import CloudSettings, State
 
 log = logging.getLogger("fleet.localcloud")
@@ -33,7 +34,7 @@ class Booting:
     state: State
     faults: Faults
     _tasks: dict[int, list[asyncio.Task]]
-    _hosts: dict[int, LocalHost]
+    _hosts: dict[int, LocalHost | SimulatedLocalHost]
     _networks: dict[int, network.HostNetwork]
 
     def save(self) -> None:
@@ -60,8 +61,12 @@ class Booting:
     async def _forget(self, instance_id: int) -> None:
         raise NotImplementedError
 
-    def host_for(self, inst: Instance) -> LocalHost:
+    def host_for(self, inst: Instance) -> LocalHost | SimulatedLocalHost:
         """The instance's host; one object per instance, so it remembers the PIDs it spawned."""
+        if inst.id not in self._hosts and self.settings.simulated_card:
+            card = cardmodel.from_results(self.settings.simulated_card)
+            directory = self.state_dir / "hosts" / str(inst.id)
+            self._hosts[inst.id] = SimulatedLocalHost(directory, inst.private_ip, inst.internal_ssh_port, card)
         if inst.id not in self._hosts:
             self._hosts[inst.id] = LocalHost(
                 directory=self.state_dir / "hosts" / str(inst.id),

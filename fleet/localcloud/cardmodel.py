@@ -58,18 +58,27 @@ class CardModel:
         return first_total / first_streams if streams <= first_streams else self.total_tok_s(streams) / streams
 
 
-def from_results(model: str, path: Path = STREAMS_RESULTS, column: str = SERVED_COLUMN) -> CardModel:
-    """The card model of `model` from a streams bench's JSON rows ({"model", "streams", column: tok/s})."""
+def _rows(path: Path) -> list:
     try:
         rows = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CardModelError(f"{path}: no streams results to read ({e})") from None
+    return rows if isinstance(rows, list) else []
+
+
+def models(path: Path = STREAMS_RESULTS) -> list[str]:
+    """The models the streams results measured."""
+    return sorted({r["model"] for r in _rows(path) if isinstance(r, dict) and isinstance(r.get("model"), str)})
+
+
+def from_results(model: str, path: Path = STREAMS_RESULTS, column: str = SERVED_COLUMN) -> CardModel:
+    """The card model of `model` from a streams bench's JSON rows ({"model", "streams", column: tok/s})."""
+    rows = _rows(path)
     levels = sorted(
         (int(r["streams"]), float(r[column]))
         for r in rows
         if isinstance(r, dict) and r.get("model") == model and isinstance(r.get(column), int | float)
     )
     if not levels:
-        known = sorted({r.get("model") for r in rows if isinstance(r, dict)} - {None})
-        raise CardModelError(f"{path.name} measured no model {model!r} (it has {', '.join(known) or 'none'})")
+        raise CardModelError(f"{path.name} measured no model {model!r} (it has {', '.join(models(path)) or 'none'})")
     return CardModel(model, tuple(levels))

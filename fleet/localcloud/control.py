@@ -74,12 +74,14 @@ def start(
     loading_delay_s: float | None = None,
     hub_bytes_per_s: int | None = None,
     kind: bool = False,
+    simulated_card: str | None = None,
     publish: dict[str, Path] | None = None,
     timeout_s: float = 30.0,
 ) -> CloudInfo:
     """Start the cloud unless it already runs; return where it listens. `kind` turns off vast.ai's
     time-based hardships (rate limits, read lag, late SSH keys, heartbeat gaps): for tests that say why.
-    `publish`: the hub also serves each directory's GGUF files as that repo (hashed before the cloud answers)."""
+    `publish`: the hub also serves each directory's GGUF files as that repo (hashed before the cloud answers).
+    `simulated_card`: every host simulated (simboot.py), decoding as that model of the card's tables."""
     running = find(state_dir)
     if running:
         return running
@@ -96,6 +98,8 @@ def start(
         argv += ["--hub-bytes-per-s", str(hub_bytes_per_s)]
     if kind:
         argv.append("--kind")
+    if simulated_card:
+        argv += ["--simulated-card", simulated_card]
     for repo, directory in (publish or {}).items():
         argv += ["--publish", f"{repo}={directory}"]
     with (state_dir / "server.log").open("ab") as log:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import replicas, toolchain
+from fleet.localcloud import cardmodel, replicas, toolchain
 from fleet.localcloud.api import build_app
 from fleet.localcloud.cloud import Cloud, CloudSettings
 from fleet.localcloud.hub import Hub
@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
         "--kind", action="store_true", help="no rate limits, read lag, late SSH keys or heartbeat gaps (tests only)"
     )
     parser.add_argument(
+        "--simulated-card",
+        choices=cardmodel.models(),
+        help="every host simulated in this process, decoding as this model on the card measured (issue 48)",
+    )
+    parser.add_argument(
         "--publish", action="append", default=[], metavar="OWNER/REPO=DIR", help="serve DIR's GGUF files as this repo"
     )
     args = parser.parse_args(argv)
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         loading_delay_s=args.loading_delay,
         hub_bytes_per_s=args.hub_bytes_per_s,
         kind=args.kind,
+        simulated_card=args.simulated_card,
     )
     asyncio.run(serve(settings, args.host, args.port, publish))
 

@@ -50,6 +50,7 @@ MEMORY_SCRIPT = (
 )
 TEMPLATE_PUT = 'mkdir -p "$1" && chmod 700 "$1" && cat > "$2"'
 ALIVE = 'kill -0 "$(cat "$1")"'
+CHARS_PER_TOKEN = 4
 PIDS = itertools.count(4000)  # the PIDs fleet-serve prints, unique in this process
 Handler = Callable[["SimulatedHost", list[str], asyncssh.SSHServerProcess], Awaitable[int]]
 
@@ -92,6 +93,7 @@ class SimulatedHost:
         public = self.fleet_key.export_public_key().decode().split()[:2]
         line = " ".join(public)
         self.console.append(f"fleet-host-key: {line}")
+        self.platform_key = self.fleet_key  # written over the platform's key file: a restart presents it too
         assert self._acceptor is not None
         self._acceptor.update(server_host_keys=[self.fleet_key])
         return line
@@ -358,7 +360,9 @@ async def _serve(host: SimulatedHost, args: list[str], process: asyncssh.SSHServ
         return 0  # as llama-server exiting at once: the liveness check finds it gone
     slots = int(_flag(server_args, "-np", "--parallel", default="1") or 1)
     ctx = int(_flag(server_args, "-c", "--ctx-size", default="4096") or 4096)
-    server = SimulatedServer(card=host.card, api_key=key, slots=slots, ctx_per_slot=max(1, ctx // slots),
+    # a simulated token is one character, a real one about four: a slot holds in characters what it holds in tokens
+    per_slot = max(1, ctx // slots) * CHARS_PER_TOKEN
+    server = SimulatedServer(card=host.card, api_key=key, slots=slots, ctx_per_slot=per_slot,
                              model=_flag(server_args, "-a", "--alias", default="simulated") or "simulated")  # fmt: skip
     runner = web.AppRunner(server.app(), keepalive_timeout=60)
     await runner.setup()

@@ -164,16 +164,20 @@ class SimulatedServer:
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "invalid_request_error", "max_tokens must be a positive integer")
-        n = max_tokens if body.get("ignore_eos") else min(max_tokens, NATURAL_REPLY_TOKENS)
-        if len(prompt) + n > self.ctx_per_slot:
+        if len(prompt) >= self.ctx_per_slot:
             return _error(400, "exceed_context_size_error", "the request exceeds the available context size")
+        # a reply stops where the slot's context is full, as llama-server's does without context shift
+        room = self.ctx_per_slot - 1 - len(prompt)
+        n = min(room, max_tokens if body.get("ignore_eos") else min(max_tokens, NATURAL_REPLY_TOKENS))
         self.counters.waiting += 1
         try:
             slot = await self._take_slot(prompt, request.headers.get(SALT_HEADER, ""))
         finally:
             self.counters.waiting -= 1
         try:
-            return await self._serve(request, body, slot, prompt, n, finish="length" if n == max_tokens else "stop")
+            return await self._serve(
+                request, body, slot, prompt, n, finish="length" if n in (max_tokens, room) else "stop"
+            )
         finally:
             slot.busy, slot.used_at = False, time.monotonic()
             async with self._freed:

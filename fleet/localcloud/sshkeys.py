@@ -11,6 +11,7 @@ from typing import Any
 from fleet.localcloud.apierror import MESSAGE_ONLY, TEXT, ApiError
 from fleet.localcloud.hosts import LocalHost
 from fleet.localcloud.instances import Instance
+from fleet.localcloud.simboot import SimulatedLocalHost
 from fleet.localcloud.state import State
 
 SSH_KEY = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-\S+) [A-Za-z0-9+/=]+( .*)?$")
@@ -24,7 +25,7 @@ class SshKeys:
     def save(self) -> None:
         raise NotImplementedError
 
-    def host_for(self, inst: Instance) -> LocalHost:
+    def host_for(self, inst: Instance) -> LocalHost | SimulatedLocalHost:
         raise NotImplementedError
 
     def _visible(self, inst: Instance, now: float) -> bool:

@@ -32,6 +32,9 @@ class CloudSettings:
     pull_time_scale: float = 0.01
     hub_bytes_per_s: int = 4 * 1024 * 1024  # per connection, like a CDN edge
     kind: bool = False
+    # every host simulated (simboot.py), decoding as this model of the card's measured tables (cardmodel.py):
+    # a thousand hosts on one machine. None (the default): real hosts
+    simulated_card: str | None = None
 
     @property
     def read_lag_s(self) -> float:

@@ -1,0 +1,48 @@
+"""The local cloud with simulated hosts (issue 48): fleet's own `up`, health sweep and `destroy` rent, bring up,
+check and end hosts that run no process, through the same REST API, SSH and HTTPS as real ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleet.control import rotation
+from fleet.control.up import UpRequest
+from fleet.localcloud import procs
+from tests.conftest import CloudHandle, _start, _stop_and_check
+from tests.fleetkit import fleet_for, settings_for
+
+
+@pytest.fixture(scope="module")
+def simulated_cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudHandle]:
+    handle = _start(tmp_path_factory.mktemp("simcloud"), simulated_card="a4b")
+    try:
+        yield handle
+    finally:
+        _stop_and_check(handle)
+
+
+async def test_fleet_up_sweep_and_destroy_run_unchanged_on_simulated_hosts(simulated_cloud, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEET_LOCALCLOUD_DIR", str(simulated_cloud.info.state_dir))
+    async with fleet_for(settings_for(tmp_path)) as fleet:
+        report = await fleet.up(UpRequest("tiny", "eu", count=2))
+        assert len(report.ready) == 2, report.failures
+        for host in report.ready:
+            token = simulated_cloud.state()["instances"][str(host.instance_id)]["token"]
+            assert procs.pids_with_marker(token) == []  # no sshd, no llama-server: the cloud plays them
+            async with fleet.server(host).client(timeout=30) as client:
+                reply = await client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+                )
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+        reports = await rotation.health_sweep(fleet)
+        assert [r.healthy for r in reports] == [True, True], [r.reason for r in reports]
+        for recorded in fleet.record.hosts(names=[h.name for h in report.ready]):
+            assert recorded.ram_available_mib and recorded.server_rss_mib, recorded  # the memory read, answered
+        ended = await fleet.destroy(None)
+        assert len(ended.done) == 2
+    state = simulated_cloud.state()
+    assert all(i.get("status") != "running" for i in state["instances"].values())
+    assert not any((Path(simulated_cloud.info.state_dir) / "hosts").glob("*/root"))
