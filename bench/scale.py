@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""fleet's control plane at many hosts (issue 48), on simulated hosts: the local cloud plays every host in its
+own process (docs/vast-fidelity.md, "Simulated hosts"), so a host costs a few kilobytes and a socket or four,
+and fleet's own code runs unchanged against it.
+
+For each size (hosts brought up to it, each size building on the last): the bring-up's wall time, then a
+health sweep (every host's /health, a short completion and its memory read over SSH) and a reconcile (the
+marketplace's listing against the record), each its wall time, fleet's CPU (this process) and the local
+cloud's CPU (its process, which plays the hosts too), and the record's size. The last columns divide by the
+hosts: a cost that grows linearly keeps its per-host figure flat down the table; one that grows worse does
+not.
+
+This first version runs one fleet process on SQLite, against the kind cloud (the cloud's rate limits off; fleet
+still paces its own marketplace calls), with no calls in flight and no faults.
+
+Usage: .venv/bin/python bench/scale.py [--hosts 10,30,100] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet.control import rotation
+from fleet.control.reconcile import reconcile
+from fleet.control.up import UpRequest
+from fleet.localcloud import control
+from tests.fleetkit import fleet_for, settings_for
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "offers" / "synthetic-eu-2026-11.json"
+TEMPLATE_ID = 29012592  # an RTX A4000 in Portugal: the offer `fleet offers --model tiny --region eu` ranks first
+FIRST_ID = 70_000_000  # the bench's offers' ids and machine ids, apart from the snapshots'
+
+
+@dataclass
+class Row:
+    hosts: int
+    up_s: float  # bringing up the hosts this size adds
+    sweep_s: float
+    sweep_fleet_cpu_s: float
+    sweep_cloud_cpu_s: float
+    reconcile_s: float
+    reconcile_fleet_cpu_s: float
+    record_bytes: int  # the SQLite file and its write-ahead log
+
+    @property
+    def per_host_ms(self) -> tuple[float, float, float, float]:
+        n = self.hosts
+        return (1e3 * self.sweep_s / n, 1e3 * (self.sweep_fleet_cpu_s + self.sweep_cloud_cpu_s) / n,
+                1e3 * self.reconcile_s / n, self.record_bytes / n / 1024)  # fmt: skip
+
+
+def offers(count: int) -> list[dict]:
+    """`count` European machines like the snapshot's best for tiny, each its own machine at a slightly
+    different price."""
+    template = next(o for o in json.loads(TEMPLATE.read_text()) if o["id"] == TEMPLATE_ID)
+    rows = []
+    for i in range(count):
+        row = copy.deepcopy(template)
+        n = FIRST_ID + i
+        price = round(template["dph_base"] * (1 + i / (10 * count)), 6)
+        row.update(id=n, ask_contract_id=n, machine_id=n, host_id=n, dph_base=price, rented=False, rentable=True)
+        rows.append(row)
+    return rows
+
+
+def cpu_s(pid: int) -> float:
+    """A process's user and system CPU seconds so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(sizes: list[int], tmp: Path) -> list[Row]:
+    (tmp / "offers").mkdir()
+    (tmp / "offers" / "bench.json").write_text(json.dumps(offers(max(sizes))))
+    os.environ["FLEET_LOCALCLOUD_DIR"] = str(tmp / "cloud")
+    info = control.start(tmp / "cloud", offers_dir=tmp / "offers", kind=True, simulated_card="a4b", timeout_s=60)
+    rows: list[Row] = []
+    try:
+        most = max(sizes)
+        caps = {"max_hosts_total": most, "max_hosts_per_model": most, "max_usd_per_hour": most * 1.0}
+        async with fleet_for(settings_for(tmp, caps=caps)) as fleet:
+            for size in sizes:
+                began = time.monotonic()
+                have = len(fleet.record.open_hosts())
+                if size > have:
+                    report = await fleet.up(UpRequest("tiny", "eu", count=size - have))
+                    if len(fleet.record.open_hosts()) < size:
+                        raise SystemExit(f"scale: {size - have} hosts asked, {report.failures[:3]}")
+                up_s = time.monotonic() - began
+                sweep = await timed(rotation.health_sweep(fleet), info.pid)
+                unhealthy = [r.reason for r in sweep.result if not r.healthy]
+                if unhealthy:
+                    raise SystemExit(f"scale: {len(unhealthy)} of {size} hosts unhealthy: {unhealthy[:3]}")
+                settled = await timed(reconcile(fleet), info.pid)
+                record = Path(fleet.settings.database.path)
+                stored = sum(p.stat().st_size for p in (record, record.with_name(record.name + "-wal")) if p.exists())
+                rows.append(Row(size, up_s, sweep.wall_s, sweep.fleet_cpu_s, sweep.cloud_cpu_s, settled.wall_s,
+                                settled.fleet_cpu_s, stored))  # fmt: skip
+                print(f"  {size} hosts: up {up_s:.1f} s, sweep {sweep.wall_s:.2f} s, reconcile {settled.wall_s:.2f} s",
+                      file=sys.stderr)  # fmt: skip
+            await fleet.destroy(None)
+    finally:
+        control.stop(tmp / "cloud")
+    return rows
+
+
+@dataclass
+class Timed:
+    result: object
+    wall_s: float
+    fleet_cpu_s: float
+    cloud_cpu_s: float
+
+
+async def timed(work, cloud_pid: int) -> Timed:
+    wall, mine, cloud = time.monotonic(), time.process_time(), cpu_s(cloud_pid)
+    result = await work
+    return Timed(result, time.monotonic() - wall, time.process_time() - mine, cpu_s(cloud_pid) - cloud)
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| hosts | up s | sweep s | sweep CPU s (fleet + cloud) | reconcile s | record KiB | sweep ms a host "
+             "| sweep CPU ms a host | reconcile ms a host | record KiB a host |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        sweep_ms, cpu_ms, reconcile_ms, kib = r.per_host_ms
+        lines.append(f"| {r.hosts} | {r.up_s:.1f} | {r.sweep_s:.2f} | {r.sweep_fleet_cpu_s:.2f} + "
+                     f"{r.sweep_cloud_cpu_s:.2f} | {r.reconcile_s:.2f} | {r.record_bytes / 1024:.0f} | {sweep_ms:.1f} "
+                     f"| {cpu_ms:.1f} | {reconcile_ms:.2f} | {kib:.1f} |")  # fmt: skip
+    first, last = rows[0], rows[-1]
+    if last.hosts > first.hosts:
+        growth = last.hosts / first.hosts
+        cpu = (last.sweep_fleet_cpu_s + last.sweep_cloud_cpu_s) / max(
+            1e-9, first.sweep_fleet_cpu_s + first.sweep_cloud_cpu_s
+        )
+        lines += ["", f"From {first.hosts} to {last.hosts} hosts ({growth:.0f}x): the sweep's wall time "
+                  f"{last.sweep_s / first.sweep_s:.1f}x, its CPU {cpu:.1f}x, "
+                  f"reconcile {last.reconcile_s / first.reconcile_s:.1f}x."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default="10,30,100")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = sorted(int(n) for n in args.hosts.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = asyncio.run(measure(sizes, Path(tmp)))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
