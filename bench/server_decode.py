@@ -141,14 +141,24 @@ async def server_rate(url: str, streams: int, tokens: int, samplers: list[str]) 
 
 def batched_bench(bin_dir: Path, model: Path, streams: list[int], tokens: int, flags: list[str]) -> dict[int, Rate]:
     """llama-batched-bench's generated tokens a second over all sequences, by the number of sequences: over its
-    whole run and in its generation phase."""
+    whole run and in its generation phase. batched-bench prints its rows through llama.cpp's logging thread,
+    which can lose the last one as the program exits: the levels missing are run again."""
     ctx = max(streams) * (PROMPT_TOKENS + tokens + 8)
-    argv = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-npp", str(PROMPT_TOKENS),
-            "-ntg", str(tokens), "-npl", ",".join(map(str, streams)), *flags, "--output-format", "jsonl"]  # fmt: skip
-    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    # the generated tokens over the whole run, the prompts' prefill included, as the server's rate is read
-    return {row["pl"]: Rate(row["pl"] * row["tg"] / row["t"], row["speed_tg"]) for row in rows}
+    found: dict[int, Rate] = {}
+    for _ in range(3):
+        missing = [n for n in streams if n not in found]
+        if not missing:
+            break
+        levels = ",".join(map(str, missing))
+        argv = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-npp", str(PROMPT_TOKENS),
+                "-ntg", str(tokens), "-npl", levels, *flags, "--output-format", "jsonl"]  # fmt: skip
+        out = subprocess.run(argv, check=True, capture_output=True, text=True)
+        for row in (json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line.startswith('{"n_kv')):
+            # the generated tokens over the whole run, the prompts' prefill included, as the server's rate is read
+            found[row["pl"]] = Rate(row["pl"] * row["tg"] / row["t"], row["speed_tg"])
+    if missing := [n for n in streams if n not in found]:
+        raise SystemExit(f"server_decode: llama-batched-bench printed no row for {missing} sequences in 3 runs")
+    return found
 
 
 def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.Namespace) -> list[Row]:
