@@ -9,6 +9,7 @@ faster for more streams than it was measured at), below the first it is the firs
 
 from __future__ import annotations
 
+import functools
 import json
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ def models(path: Path = STREAMS_RESULTS) -> list[str]:
     return sorted({r["model"] for r in _rows(path) if isinstance(r, dict) and isinstance(r.get("model"), str)})
 
 
+@functools.cache  # a cloud of simulated hosts reads it once, not once a host
 def from_results(model: str, path: Path = STREAMS_RESULTS, column: str = SERVED_COLUMN) -> CardModel:
     """The card model of `model` from a streams bench's JSON rows ({"model", "streams", column: tok/s})."""
     rows = _rows(path)

@@ -26,6 +26,7 @@ class SimulatedLocalHost:
         self.directory = directory
         self.host = SimulatedHost(directory.name, private_ip, ssh_port, card)
         self._loop = asyncio.get_running_loop()  # made by the boot, on the cloud's loop
+        self._started: set[asyncio.Task] = set()  # steps started from the loop itself, held until they end
 
     @property
     def console(self) -> Path:
@@ -40,7 +41,9 @@ class SimulatedLocalHost:
         except RuntimeError:
             running = None
         if running is self._loop:
-            self._loop.create_task(step())  # type: ignore[arg-type]
+            task = self._loop.create_task(step())  # type: ignore[arg-type]
+            self._started.add(task)
+            task.add_done_callback(self._started.discard)
         else:
             asyncio.run_coroutine_threadsafe(step(), self._loop).result(timeout=60)  # type: ignore[arg-type]
 
