@@ -23,6 +23,7 @@ import asyncio
 import copy
 import json
 import os
+import sqlite3
 import sys
 import tempfile
 import time
@@ -52,7 +53,7 @@ class Row:
     sweep_cloud_cpu_s: float
     reconcile_s: float
     reconcile_fleet_cpu_s: float
-    record_bytes: int  # the SQLite file and its write-ahead log
+    record_bytes: int  # the SQLite file, its write-ahead log written back into it
 
     @property
     def per_host_ms(self) -> tuple[float, float, float, float]:
@@ -73,6 +74,14 @@ def offers(count: int) -> list[dict]:
         row.update(id=n, ask_contract_id=n, machine_id=n, host_id=n, dph_base=price, rented=False, rentable=True)
         rows.append(row)
     return rows
+
+
+def record_bytes(path: Path) -> int:
+    """The record's size once its write-ahead log is written back (the log grows and is not truncated on its
+    own: its size says what was written lately, not what is kept)."""
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path.stat().st_size
 
 
 def cpu_s(pid: int) -> float:
@@ -104,8 +113,7 @@ async def measure(sizes: list[int], tmp: Path) -> list[Row]:
                 if unhealthy:
                     raise SystemExit(f"scale: {len(unhealthy)} of {size} hosts unhealthy: {unhealthy[:3]}")
                 settled = await timed(reconcile(fleet), info.pid)
-                record = Path(fleet.settings.database.path)
-                stored = sum(p.stat().st_size for p in (record, record.with_name(record.name + "-wal")) if p.exists())
+                stored = record_bytes(Path(fleet.settings.database.path))
                 rows.append(Row(size, up_s, sweep.wall_s, sweep.fleet_cpu_s, sweep.cloud_cpu_s, settled.wall_s,
                                 settled.fleet_cpu_s, stored))  # fmt: skip
                 print(f"  {size} hosts: up {up_s:.1f} s, sweep {sweep.wall_s:.2f} s, reconcile {settled.wall_s:.2f} s",
