@@ -167,8 +167,13 @@ def batched_bench(depth: int, callers: list[int]) -> dict[int, float]:
 
 
 def start_cloud(publish: dict[str, Path] | None = None) -> None:
-    """The local cloud offering the card; its hub serves the generated model and `publish`'s repositories."""
+    """The local cloud offering the card; its hub serves the generated model and `publish`'s repositories. A cloud
+    that a cut call left running (it runs in its own session, which outlives the call's command) is ended first,
+    its hosts destroyed: it still rents the card's one offer."""
     state = control.default_state_dir()
+    if control.find(state):
+        log("a local cloud left by an earlier call: its hosts destroyed and the cloud stopped first")
+        tear_down()
     control.start(
         state,
         offers_dir=REPO / "bench" / "gpu" / "offers",
