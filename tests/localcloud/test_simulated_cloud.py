@@ -10,7 +10,7 @@ import pytest
 
 from fleet.control import rotation
 from fleet.control.up import UpRequest
-from fleet.localcloud import procs
+from fleet.localcloud import control, procs
 from tests.conftest import CloudHandle, _start, _stop_and_check
 from tests.fleetkit import fleet_for, settings_for
 
@@ -46,3 +46,10 @@ async def test_fleet_up_sweep_and_destroy_run_unchanged_on_simulated_hosts(simul
     state = simulated_cloud.state()
     assert all(i.get("status") != "running" for i in state["instances"].values())
     assert not any((Path(simulated_cloud.info.state_dir) / "hosts").glob("*/root"))
+
+
+def test_a_card_the_results_never_measured_is_refused_and_no_cloud_runs(tmp_path):
+    with pytest.raises(control.CloudControlError, match="exited with status 2"):
+        control.start(tmp_path / "cloud", simulated_card="h100-of-my-dreams")
+    assert "invalid choice: 'h100-of-my-dreams'" in (tmp_path / "cloud" / "server.log").read_text()
+    assert control.find(tmp_path / "cloud") is None
