@@ -161,7 +161,8 @@ class SimulatedServer:
         if not isinstance(messages, list) or not messages:
             return _error(400, "invalid_request_error", "'messages' is required")
         prompt = render(messages, body.get("tools"), True)
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS
+        given = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+        max_tokens = given[0] if given else DEFAULT_MAX_TOKENS  # a zero is refused below, not read as "unset"
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "invalid_request_error", "max_tokens must be a positive integer")
         if len(prompt) >= self.ctx_per_slot:

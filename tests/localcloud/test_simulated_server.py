@@ -117,3 +117,7 @@ async def test_it_refuses_what_llama_server_refuses_in_llama_servers_words():
             assert refused.status_code == 400 and "context size" in refused.json()["error"]["message"]
             plain = (await client.post(chat, json={"messages": hello, "max_tokens": 3})).json()
             assert plain["choices"][0]["message"]["content"] == "Sur" and plain["timings"]["predicted_n"] == 3
+            # a reply longer than the context holds stops where it is full, as llama-server's without context shift
+            full = (await client.post(chat, json={"messages": hello, "max_tokens": 500, "ignore_eos": True})).json()
+            assert full["usage"]["completion_tokens"] == 64 - 1 - full["usage"]["prompt_tokens"] > 0
+            assert full["choices"][0]["finish_reason"] == "length"
