@@ -72,7 +72,6 @@ class SimulatedHost:
     authorized: set[str] = field(default_factory=set)  # the account's public keys, as "ssh-ed25519 AAAA..."
     console: list[str] = field(default_factory=list)  # what the marketplace's logs show of the machine
     files: dict[str, bytes | int] = field(default_factory=dict)  # HOME-relative path -> bytes, or a size
-    commands: list[str] = field(default_factory=list)  # every command run, as sent
     _acceptor: asyncssh.SSHAcceptor | None = None
     _server: tuple[int, web.AppRunner] | None = None  # (pid, its runner)
 
@@ -112,7 +111,6 @@ class SimulatedHost:
 
     async def _run(self, process: asyncssh.SSHServerProcess) -> None:
         command = process.command or ""
-        self.commands.append(command)
         try:
             argv = shlex.split(command)
         except ValueError:
