@@ -56,7 +56,8 @@ class Row:
     record_bytes: int  # the SQLite file, its write-ahead log written back into it
 
     @property
-    def per_host_ms(self) -> tuple[float, float, float, float]:
+    def per_host(self) -> tuple[float, float, float, float]:
+        """The sweep's ms, its CPU ms and reconcile's ms a host, and the record's KiB a host."""
         n = self.hosts
         return (1e3 * self.sweep_s / n, 1e3 * (self.sweep_fleet_cpu_s + self.sweep_cloud_cpu_s) / n,
                 1e3 * self.reconcile_s / n, self.record_bytes / n / 1024)  # fmt: skip
@@ -143,7 +144,7 @@ def table(rows: list[Row]) -> str:
              "| sweep CPU ms a host | reconcile ms a host | record KiB a host |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
-        sweep_ms, cpu_ms, reconcile_ms, kib = r.per_host_ms
+        sweep_ms, cpu_ms, reconcile_ms, kib = r.per_host
         lines.append(f"| {r.hosts} | {r.up_s:.1f} | {r.sweep_s:.2f} | {r.sweep_fleet_cpu_s:.2f} + "
                      f"{r.sweep_cloud_cpu_s:.2f} | {r.reconcile_s:.2f} | {r.record_bytes / 1024:.0f} | {sweep_ms:.1f} "
                      f"| {cpu_ms:.1f} | {reconcile_ms:.2f} | {kib:.1f} |")  # fmt: skip

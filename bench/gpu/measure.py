@@ -650,6 +650,8 @@ def calls() -> None:
     if draft_max := os.environ.get("CALLS_DRAFT_MAX_SLOTS"):
         config, header = G / "fleet-calls.toml", f"[models.{CALLS_PROFILE}]\n"
         text = Path(os.environ["FLEET_CONFIG"]).read_text()
+        if header not in text:  # measured with the draft while saying without it: refused
+            raise SystemExit(f"CALLS_DRAFT_MAX_SLOTS: {os.environ['FLEET_CONFIG']} has no {header.strip()}")
         config.write_text(text.replace(header, f"{header}draft_max_slots = {int(draft_max)}\n"))
         os.environ["FLEET_CONFIG"] = str(config)  # fleet up, run below, reads it too
     settings = registry.load(os.environ["FLEET_CONFIG"])

@@ -63,13 +63,13 @@ class Booting:
 
     def host_for(self, inst: Instance) -> LocalHost | SimulatedLocalHost:
         """The instance's host; one object per instance, so it remembers the PIDs it spawned."""
+        directory = self.state_dir / "hosts" / str(inst.id)
         if inst.id not in self._hosts and self.settings.simulated_card:
             card = cardmodel.from_results(self.settings.simulated_card)
-            directory = self.state_dir / "hosts" / str(inst.id)
             self._hosts[inst.id] = SimulatedLocalHost(directory, inst.private_ip, inst.internal_ssh_port, card)
         if inst.id not in self._hosts:
             self._hosts[inst.id] = LocalHost(
-                directory=self.state_dir / "hosts" / str(inst.id),
+                directory=directory,
                 token=inst.token,
                 private_ip=inst.private_ip,
                 ssh_port=inst.internal_ssh_port,

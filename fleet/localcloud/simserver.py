@@ -172,19 +172,20 @@ class SimulatedServer:
         n = min(room, max_tokens if body.get("ignore_eos") else min(max_tokens, NATURAL_REPLY_TOKENS))
         self.counters.waiting += 1
         try:
-            slot = await self._take_slot(prompt, request.headers.get(SALT_HEADER, ""))
+            slot, shared = await self._take_slot(prompt, request.headers.get(SALT_HEADER, ""))
         finally:
             self.counters.waiting -= 1
         try:
             return await self._serve(
-                request, body, slot, prompt, n, finish="length" if n in (max_tokens, room) else "stop"
+                request, body, slot, prompt, shared, n, finish="length" if n in (max_tokens, room) else "stop"
             )
         finally:
             slot.busy, slot.used_at = False, time.monotonic()
             async with self._freed:
                 self._freed.notify()
 
-    async def _take_slot(self, prompt: str, salt: str) -> Slot:
+    async def _take_slot(self, prompt: str, salt: str) -> tuple[Slot, int]:
+        """The slot a request takes, and how much of its prompt that slot holds already."""
         async with self._freed:
             while True:
                 idle = [s for s in self._slots if not s.busy]
@@ -196,13 +197,12 @@ class SimulatedServer:
                         if best.salt != salt:
                             best.cached, best.salt = "", salt  # another salt's state is never reused
                     best.busy = True
-                    return best
+                    return best, shared.get(id(best), 0)
                 await self._freed.wait()
 
     async def _serve(
-        self, request: web.Request, body: dict[str, Any], slot: Slot, prompt: str, n: int, finish: str
+        self, request: web.Request, body: dict[str, Any], slot: Slot, prompt: str, cache_n: int, n: int, finish: str
     ) -> web.StreamResponse:
-        cache_n = _common_prefix(slot.cached, prompt)
         if cache_n == len(prompt):
             cache_n -= 1  # llama-server evaluates at least the prompt's last token again
         prompt_n = len(prompt) - cache_n
