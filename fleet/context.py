@@ -30,7 +30,7 @@ from fleet.core.config import ConfigError, Settings
 from fleet.core.keys import SshKey, ensure_key
 from fleet.core.marketpace import claim_turn, release_turn
 from fleet.core.models import LABEL_PREFIX, Host
-from fleet.core.ownership import process_owner
+from fleet.core.ownership import context_owner
 from fleet.core.record import Record, open_database
 from fleet.core.tls import CertificateAuthority, client_context, ensure_ca, load_certificate, public_key_sha256
 from fleet.localcloud import control as local_cloud
@@ -150,7 +150,7 @@ class Context:
         self.settings = settings
         self.record = record
         self.reporter: Reporter = reporter or QuietReporter()
-        self.owner = process_owner()
+        self.owner = context_owner()
         # every instance this install rents is labelled so; reconcile takes only such strays
         self.label_prefix = f"{LABEL_PREFIX}{record.install_id()}:"
         self.leases = Leases(record, settings.up.lease_s, self.owner)

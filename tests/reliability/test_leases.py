@@ -1,7 +1,8 @@
 """A process's leases outlive a database that stays busy past its timeout: the renewal tries again rather
 than dying, so a long bring-up is never taken for an interrupted one (found in the full suite under a CPU
 hog: a reconcile failed two hosts "bring-up interrupted in probing" while their `fleet up` ran). And another
-process's housekeeping leaves a host alone while it is held: a reconcile leaves a bring-up in flight and a
+process's housekeeping (or another Context's in the same process, as the daemon's jobs) leaves a host alone
+while it is held: a reconcile leaves a bring-up in flight and a
 draining host to the processes holding them, a failure judged on a stale view is refused, and a claim hands
 back the host as it is."""
 
@@ -88,6 +89,24 @@ async def test_reconcile_in_another_process_leaves_a_bring_up_in_flight_alone(cl
         assert len(result.ready) == 1 and [a.outcome for a in result.attempts] == ["ready"]
         assert fleet.record.blacklist() == []
         await fleet.destroy(None)
+
+
+async def test_a_reconcile_in_the_same_process_leaves_a_bring_up_in_flight_alone(cloud, tmp_path):
+    """The daemon runs its jobs side by side in one process: its reconcile, every few seconds, used to take the
+    host its reprice or health job was bringing up as its own (one owner a process) and fail it "bring-up
+    interrupted" (CI saw it in the race test). Each Context is an owner of its own now."""
+    async with fleet_for(settings_for(tmp_path)) as fleet, fleet_for(settings_for(tmp_path)) as beside:
+        assert fleet.owner != beside.owner
+        up = asyncio.create_task(fleet.up(UpRequest("tiny", "eu")))
+        await wait_state(fleet, None, (HostState.CONNECTING, HostState.PULLING, HostState.STARTING))
+        report = await beside.reconcile()
+        assert report["failed"] == [] and len(report["busy"]) == 1, report
+        result = await up
+        assert len(result.ready) == 1 and [a.outcome for a in result.attempts] == ["ready"]
+        assert report["busy"] == [result.ready[0].name]
+        # once the bring-up let go of it, the other Context may take it: a destroy from there ends it
+        ended = await beside.destroy([result.ready[0].name])
+        assert [h.name for h in ended.done] == report["busy"]
 
 
 async def test_a_failure_judged_on_a_stale_view_leaves_a_host_that_moved_on_serving(cloud, tmp_path):
