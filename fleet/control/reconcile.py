@@ -20,6 +20,7 @@ recorded instances exist is an error, never "no instances".
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 from fleet.context import Context
@@ -42,6 +43,7 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
         "busy": [],
         "waiting": [],
     }
+    listed_at = utcnow()
     async with ctx.waits.on("market"):
         listing = await ctx.market.list(LABEL_PREFIX)  # every install's: a host may predate its install id
     by_id = {i.id: i for i in listing}
@@ -64,7 +66,7 @@ async def reconcile(ctx: Context) -> dict[str, Any]:
         raise MarketError(
             f"the instance listing lacks {unlisted_but_there} instance(s) that show finds; not sweeping strays"
         )
-    await _sweep_strays(ctx, listing, report)
+    await _sweep_strays(ctx, listing, listed_at, report)
     await publish(ctx)
     return report
 
@@ -155,15 +157,19 @@ async def _lost_from_pool(ctx: Context, host: Host) -> str:
     return lost
 
 
-async def _sweep_strays(ctx: Context, listing: list[Instance], report: dict[str, Any]) -> None:
+async def _sweep_strays(ctx: Context, listing: list[Instance], listed_at: datetime, report: dict[str, Any]) -> None:
     hosts = ctx.record.hosts()
     open_ids = {h.instance_id for h in hosts if h.destroyed_at is None and h.instance_id is not None}
     open_labels = {h.label for h in hosts if h.destroyed_at is None}
-    closed_ids = {h.instance_id for h in hosts if h.destroyed_at is not None and h.instance_id is not None}
+    closed = [h for h in hosts if h.destroyed_at is not None and h.instance_id is not None]
+    closed_ids = {h.instance_id for h in closed}
+    # a bill closes on the marketplace's word that the instance is gone: one closed since the listing was read
+    # (by this reconcile, or a destroy beside it) is a row the listing still had, never a stray
+    gone_since = {h.instance_id for h in closed if as_utc(h.destroyed_at) >= listed_at}
     for instance in listing:
         if not (instance.label or "").startswith(ctx.label_prefix):
             continue  # another install's on a shared account (a laptop, a test run): never ours to destroy
-        if instance.id in open_ids or instance.label in open_labels:
+        if instance.id in open_ids or instance.label in open_labels or instance.id in gone_since:
             continue  # an open host's instance (its owner may not have recorded the id yet)
         async with ctx.waits.on("market"):
             await ctx.market.destroy(instance.id)
