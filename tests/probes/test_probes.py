@@ -195,7 +195,11 @@ async def test_keepalive_finding_agrees_with_a_raw_socket(tmp_path):
 
 async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     four_slots = ["-ngl", "99", "-c", "8192", "-np", "4", "-t", "1", "--jinja"]
-    settings = with_variant(settings_for(tmp_path), "tiny4", args=four_slots, on_up=["smoke"])
+    settings = settings_for(tmp_path)
+    # the sweep's order and what it records, not the tiny host's speed: on a busy machine four callers on one
+    # CPU thread can miss the default target, and the search then measures 3 too (the test below judges that)
+    voice = settings.models["tiny"].voice.model_copy(update={"first_content_p95_ms": 60_000, "decode_tok_s": 0.5})
+    settings = with_variant(settings, "tiny4", args=four_slots, on_up=["smoke"], voice=voice)
     async with fleet_for(settings) as fleet:
         host = (await fleet.up(UpRequest("tiny4", "eu"))).ready[0]
         try:
@@ -236,7 +240,7 @@ async def test_bench_replays_the_call_at_growing_concurrency(cloud, tmp_path):
     assert levels[0].prompt_tokens > 100
     assert all(abs(level.prompt_tokens / levels[0].prompt_tokens - 1) < 0.05 for level in levels)
     assert all(level.first_content_p50_ms <= level.first_content_p95_ms for level in levels)
-    # the tiny host meets the default voice target at every level up to its 4 slots
+    # the tiny host meets the lenient target at every level up to its 4 slots
     assert (report.capacity.callers, report.capacity.exhausted) == (4, True), report.capacity.as_dict()
     assert report.usd_per_voice_minute == pytest.approx(host.effective_usd_per_hour / 4 / 60)
     [row] = status
