@@ -170,6 +170,7 @@ class Context:
         # what runs after the hosts a process serves changed (fleet/host/endpoints.py's publish): app.py
         # hangs the gateway's apply here, which the host steps below it cannot import
         self.on_hosts_changed: list[Callable[[Context], Awaitable[object]]] = []
+        self.publishing = asyncio.Lock()  # fleet/host/endpoints.py's publish, one at a time
         # whether this machine's gateway is the agents' door to a host (its key then stays out of the endpoints
         # file): app.py asks the gateway, which the host steps cannot import
         self.gateway_serves: Callable[[Host], bool] = lambda host: False

@@ -59,10 +59,13 @@ def publish_endpoints(ctx: Context) -> None:
 
 async def publish(ctx: Context) -> None:
     """The hosts a process serves changed: the endpoints file written, then each of the Context's listeners
-    told (the gateway of this machine). A listener that fails is recorded, never raised: the change is made."""
-    publish_endpoints(ctx)
-    for listener in ctx.on_hosts_changed:
-        try:
-            await listener(ctx)
-        except Exception as e:  # a gateway down must not undo a host's bring-up or destroy
-            ctx.record.event("error", "publish", json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))
+    told (the gateway of this machine). A listener that fails is recorded, never raised: the change is made.
+    One publish at a time in a Context: bring-ups and destroys side by side each publish, and two gateway syncs
+    interleaved would each apply a difference read before the other's writes."""
+    async with ctx.publishing:
+        publish_endpoints(ctx)
+        for listener in ctx.on_hosts_changed:
+            try:
+                await listener(ctx)
+            except Exception as e:  # a gateway down must not undo a host's bring-up or destroy
+                ctx.record.event("error", "publish", json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))

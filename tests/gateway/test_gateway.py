@@ -37,6 +37,7 @@ from fleet.control.up import UpRequest
 from fleet.core import config, tls
 from fleet.core.apikeys import access_log_key
 from fleet.core.config import Serve
+from fleet.core.gatewayrecord import add_agent_key, revoke_agent_key
 from fleet.core.models import BenchRun, HostState
 from fleet.core.tls import ensure_ca, sign_server
 from fleet.gateway import process
@@ -506,6 +507,21 @@ async def test_the_agents_certificate_is_renewed_in_place_before_it_ends_and_no_
         assert process.running_pid(files) == pid
         assert (await c.post(CHAT, json=turn("after"), headers={"X-Session-Id": "renewed"})).status_code == 200
     assert await gateway.renew(gw) == []  # nothing to do now
+
+
+async def test_publishes_side_by_side_apply_each_change_once(gw):
+    """Bring-ups and destroys side by side each publish (`fleet destroy` ends its hosts several at once): two
+    gateway syncs interleaved used to read the same difference and each apply it, an agent's key added to
+    HAProxy's map as many times as there were publishes."""
+    files = files_for(gw.settings)
+    add_agent_key(gw.record, "erin")  # in the record, not yet in the gateway
+    try:
+        await asyncio.gather(*(publish(gw) for _ in range(3)))
+        (shown,) = await Runtime(files.socket).run(f"show map {files.agent_map}")
+        assert [line.split()[-1] for line in shown.splitlines() if line.strip()].count("erin") == 1, shown
+    finally:
+        revoke_agent_key(gw.record, "erin")
+        await publish(gw)
 
 
 async def test_a_revoked_key_is_refused_at_once(gw, module_dir):
