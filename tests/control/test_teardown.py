@@ -15,6 +15,7 @@ import pytest
 from fleet.control import rotation
 from fleet.control.up import UpRequest
 from fleet.engines.metrics import requests_in_flight
+from fleet.market import MarketError
 from tests.fleetkit import fleet_for, settings_for, with_variant, write_config
 from tests.helpers import listed_instances
 
@@ -79,6 +80,32 @@ async def test_a_destroy_that_fails_leaves_the_host_for_reconcile_to_finish(clou
         assert not [e for e in fleet.record.events() if e.action == "reconcile" and "stray_destroyed" in e.detail]
         host = fleet.record.hosts(names=[attempt.host])[0]
         assert host.destroyed_at is not None and host.accrued_usd > 0
+        async with cloud.client() as api:
+            assert await listed_instances(api) == []
+
+
+async def test_a_host_the_marketplace_will_not_destroy_holds_up_none_of_the_others(cloud, tmp_path):
+    """`fleet destroy` ends its hosts side by side; one whose destroy the marketplace keeps refusing is named in
+    the error and left billing on the record for reconcile, and the others are destroyed all the same (one at a
+    time, the first refusal used to leave every host after it running)."""
+    settings = settings_for(tmp_path, provider={"error_attempts": 3})
+    async with fleet_for(settings) as fleet:
+        ready = (await fleet.up(UpRequest("tiny", "eu", count=3))).ready
+        assert len(ready) == 3
+        first, *others = sorted(ready, key=lambda h: h.id or 0)  # the order destroy takes them in
+        refused = {"count": 1000, "paths": [f"/api/v0/instances/{first.instance_id}/"], "methods": ["DELETE"]}
+        cloud.set_faults({"server_error": refused})
+        try:
+            with pytest.raises(MarketError, match=rf"1 of 3 host\(s\) not destroyed.*\(2 destroyed\): {first.name}"):
+                await fleet.destroy(None)
+        finally:
+            cloud.set_faults({})
+        now = {h.name: h for h in fleet.record.hosts()}
+        assert now[first.name].destroyed_at is None and all(now[h.name].destroyed_at for h in others)
+        async with cloud.client() as api:
+            assert [i["id"] for i in await listed_instances(api)] == [first.instance_id]
+        report = await fleet.reconcile()
+        assert report["destroyed"] == [first.name]
         async with cloud.client() as api:
             assert await listed_instances(api) == []
 
