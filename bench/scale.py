@@ -10,6 +10,11 @@ cloud's CPU (its process, which plays the hosts too), and the record's size. The
 hosts: a cost that grows linearly keeps its per-host figure flat down the table; one that grows worse does
 not.
 
+Then the marketplace: the calls a sweep and a reconcile made, by endpoint, and what the daemon's beats at the
+shipped settings (a sweep a minute, a reconcile every ten) ask of the listing endpoint a minute against what
+vast.ai allows it (one call a second). And at the end, `fleet destroy` of every host, against its floor: the
+hosts times the destroy endpoint's interval, the least time vast.ai's limits allow.
+
 This first version runs one fleet process on SQLite, against the kind cloud (the cloud's rate limits off; fleet
 still paces its own marketplace calls), with no calls in flight and no faults.
 
@@ -35,13 +40,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fleet.control import rotation
 from fleet.control.reconcile import reconcile
 from fleet.control.up import UpRequest
+from fleet.core.config import Rotation
 from fleet.localcloud import control
+from fleet.market.pacing import PACES
 from tests.fleetkit import fleet_for, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "offers" / "synthetic-eu-2026-11.json"
 TEMPLATE_ID = 29012592  # an RTX A4000 in Portugal: the offer `fleet offers --model tiny --region eu` ranks first
 FIRST_ID = 70_000_000  # the bench's offers' ids and machine ids, apart from the snapshots'
+VAST_LIST_INTERVAL_S = 1.0  # vast.ai's threshold for the instance listing (docs/vast-fidelity.md, rate limits)
+
+
+@dataclass
+class Destroyed:
+    """The hosts of the largest size ended in two halves, side by side in one run: one `fleet destroy` a host (as
+    `fleet destroy` worked through its hosts until issue 48), then the rest in one `fleet destroy`."""
+
+    singly_hosts: int
+    singly_s: float
+    together_hosts: int
+    together_s: float
+    calls: dict[str, int]  # the second half's marketplace calls
+
+    @staticmethod
+    def floor_s(hosts: int) -> float:
+        """The least time vast.ai's limits allow from a quiet start: a destroy call a host, each an interval after
+        the last."""
+        return max(hosts - 1, 0) * PACES["destroy"].interval_s
 
 
 @dataclass
@@ -54,6 +80,15 @@ class Row:
     reconcile_s: float
     reconcile_fleet_cpu_s: float
     record_bytes: int  # the SQLite file, its write-ahead log written back into it
+    sweep_calls: dict[str, int]  # the marketplace calls a sweep made, by endpoint
+    reconcile_calls: dict[str, int]
+
+    def listing_share(self) -> float:
+        """The listing calls a minute the daemon's shipped beats ask, as a share of what vast.ai allows."""
+        beats = Rotation()
+        a_minute = (self.sweep_calls.get("list", 0) * 60 / beats.health_every_s
+                    + self.reconcile_calls.get("list", 0) * 60 / beats.reconcile_every_s)  # fmt: skip
+        return a_minute / (60 / VAST_LIST_INTERVAL_S)
 
     @property
     def per_host(self) -> tuple[float, float, float, float]:
@@ -91,7 +126,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(sizes: list[int], tmp: Path) -> list[Row]:
+async def measure(sizes: list[int], tmp: Path) -> tuple[list[Row], Destroyed]:
     (tmp / "offers").mkdir()
     (tmp / "offers" / "bench.json").write_text(json.dumps(offers(max(sizes))))
     os.environ["FLEET_LOCALCLOUD_DIR"] = str(tmp / "cloud")
@@ -109,20 +144,31 @@ async def measure(sizes: list[int], tmp: Path) -> list[Row]:
                     if len(fleet.record.open_hosts()) < size:
                         raise SystemExit(f"scale: {size - have} hosts asked, {report.failures[:3]}")
                 up_s = time.monotonic() - began
-                sweep = await timed(rotation.health_sweep(fleet), info.pid)
+                sweep = await timed(rotation.health_sweep(fleet), info.pid, fleet)
                 unhealthy = [r.reason for r in sweep.result if not r.healthy]
                 if unhealthy:
                     raise SystemExit(f"scale: {len(unhealthy)} of {size} hosts unhealthy: {unhealthy[:3]}")
-                settled = await timed(reconcile(fleet), info.pid)
+                settled = await timed(reconcile(fleet), info.pid, fleet)
                 stored = record_bytes(Path(fleet.settings.database.path))
                 rows.append(Row(size, up_s, sweep.wall_s, sweep.fleet_cpu_s, sweep.cloud_cpu_s, settled.wall_s,
-                                settled.fleet_cpu_s, stored))  # fmt: skip
+                                settled.fleet_cpu_s, stored, sweep.calls, settled.calls))  # fmt: skip
                 print(f"  {size} hosts: up {up_s:.1f} s, sweep {sweep.wall_s:.2f} s, reconcile {settled.wall_s:.2f} s",
                       file=sys.stderr)  # fmt: skip
-            await fleet.destroy(None)
+            names = [h.name for h in fleet.record.open_hosts()]
+            singly = names[: len(names) // 2]
+            await asyncio.sleep(PACES["destroy"].interval_s)  # each half starts with the destroy endpoint quiet
+            began = time.monotonic()
+            for name in singly:
+                await fleet.destroy([name])
+            singly_s = time.monotonic() - began
+            await asyncio.sleep(PACES["destroy"].interval_s)
+            ended = await timed(fleet.destroy(None), info.pid, fleet)
+            destroyed = Destroyed(len(singly), singly_s, len(names) - len(singly), ended.wall_s, ended.calls)
+            print(f"  destroyed {len(singly)} hosts one at a time in {singly_s:.1f} s, {destroyed.together_hosts} "
+                  f"together in {ended.wall_s:.1f} s", file=sys.stderr)  # fmt: skip
     finally:
         control.stop(tmp / "cloud")
-    return rows
+    return rows, destroyed
 
 
 @dataclass
@@ -131,15 +177,22 @@ class Timed:
     wall_s: float
     fleet_cpu_s: float
     cloud_cpu_s: float
+    calls: dict[str, int]  # the marketplace calls it made, by endpoint
 
 
-async def timed(work, cloud_pid: int) -> Timed:
-    wall, mine, cloud = time.monotonic(), time.process_time(), cpu_s(cloud_pid)
+async def timed(work, cloud_pid: int, fleet) -> Timed:
+    counted = fleet.market.pacer.counters.calls
+    wall, mine, cloud, before = time.monotonic(), time.process_time(), cpu_s(cloud_pid), dict(counted)
     result = await work
-    return Timed(result, time.monotonic() - wall, time.process_time() - mine, cpu_s(cloud_pid) - cloud)
+    calls = {k: n - before.get(k, 0) for k, n in counted.items() if n > before.get(k, 0)}
+    return Timed(result, time.monotonic() - wall, time.process_time() - mine, cpu_s(cloud_pid) - cloud, calls)
 
 
-def table(rows: list[Row]) -> str:
+def calls_line(calls: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(calls.items())) or "none"
+
+
+def table(rows: list[Row], destroyed: Destroyed) -> str:
     lines = ["| hosts | up s | sweep s | sweep CPU s (fleet + cloud) | reconcile s | record KiB | sweep ms a host "
              "| sweep CPU ms a host | reconcile ms a host | record KiB a host |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -157,6 +210,21 @@ def table(rows: list[Row]) -> str:
         lines += ["", f"From {first.hosts} to {last.hosts} hosts ({growth:.0f}x): the sweep's wall time "
                   f"{last.sweep_s / first.sweep_s:.1f}x, its CPU {cpu:.1f}x, "
                   f"reconcile {last.reconcile_s / first.reconcile_s:.1f}x."]  # fmt: skip
+    lines += ["", "| hosts | a sweep's marketplace calls | a reconcile's | listing calls a minute at the shipped "
+              "beats, of vast.ai's 60 |", "|---:|---|---|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r.hosts} | {calls_line(r.sweep_calls)} | {calls_line(r.reconcile_calls)} "
+                     f"| {100 * r.listing_share():.0f}% |")  # fmt: skip
+    d = destroyed
+    singly, together = (
+        d.singly_s / max(d.floor_s(d.singly_hosts), 1e-9),
+        d.together_s / max(d.floor_s(d.together_hosts), 1e-9),
+    )
+    interval = PACES["destroy"].interval_s
+    lines += ["", f"Destroy, side by side, each half from a quiet destroy endpoint: {d.singly_hosts} hosts one at a "
+              f"time {d.singly_s:.1f} s, {singly:.2f}x the floor at vast.ai's limits ({interval:g} s between "
+              f"destroys); {d.together_hosts} in one `fleet destroy` {d.together_s:.1f} s ({calls_line(d.calls)}), "
+              f"{together:.2f}x the floor."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -167,10 +235,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes = sorted(int(n) for n in args.hosts.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        rows = asyncio.run(measure(sizes, Path(tmp)))
+        rows, destroyed = asyncio.run(measure(sizes, Path(tmp)))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    print(table(rows))
+        args.json.write_text(json.dumps({"sizes": [asdict(r) for r in rows], "destroy": asdict(destroyed)}, indent=1))
+    print(table(rows, destroyed))
 
 
 if __name__ == "__main__":
