@@ -14,27 +14,19 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
-from urllib.parse import urlsplit
-
-import httpx
 
 from fleet.context import Context
 from fleet.control import gateway, offers
 from fleet.control.destroy import destroy
+from fleet.control.healthcheck import NOT_THE_MACHINES, checked_as_listed
 from fleet.control.up import UpRequest, up
 from fleet.core.models import Host, HostState, as_utc, utcnow
 from fleet.economics.offers import effective_price_per_hour
-from fleet.engines import SERVICE_PORT
 from fleet.host.endpoints import publish
-from fleet.host.measure import host_memory
-from fleet.host.ops import HostMemory
-from fleet.host.remote import HostKeyMismatch
 from fleet.host.teardown import blacklist_machine, drain
-from fleet.market import HEARTBEAT_LOST, CreditSpent, Instance, Maintenance
-from fleet.probes.server import bounded
+from fleet.market import CreditSpent, Instance, Maintenance
 
 HOURS_PER_MONTH = 730
-HEALTH_REPLY_BYTES = 64 * 1024  # /health and a two-token completion are a few hundred bytes
 
 
 @dataclass
@@ -61,79 +53,6 @@ class Move:
     move: bool
     why: str
     new_host: str | None = None
-
-
-async def checked(
-    ctx: Context, host: Host, instance: Instance | None
-) -> tuple[tuple[bool, bool, str], HostMemory | None]:
-    """check_host and, beside it, the host's memory (what a growing prompt cache or a leak shows first), both
-    within rotation.health_timeout_s. A host whose SSH key is not the pinned one is gone, whatever it serves."""
-    if instance is None or instance.stopped or instance.down:
-        return await check_host(ctx, host, instance), None
-    timeout = ctx.settings.rotation.health_timeout_s
-    check, memory = await asyncio.gather(
-        check_host(ctx, host, instance), host_memory(ctx, host, timeout), return_exceptions=True
-    )
-    if isinstance(check, BaseException):
-        raise check
-    if isinstance(memory, HostKeyMismatch):
-        ctx.record.event("error", "host_key", json.dumps({"error": str(memory)}), host.id)
-        return (False, True, "its SSH host key is not the one pinned at first contact"), None
-    if isinstance(memory, BaseException):
-        raise memory
-    return check, memory
-
-
-ADDRESS_CHANGED = "its machine's public address changed"
-# vast.ai stopping an instance (spent credit, an ended contract) and a dynamic address changing are not the
-# machine's fault: its host is replaced, the machine not blacklisted
-NOT_THE_MACHINES = ("vast.ai stopped", ADDRESS_CHANGED)
-
-
-async def check_host(ctx: Context, host: Host, instance: Instance | None) -> tuple[bool, bool, str]:
-    """(healthy, gone, reason): the marketplace's view (`instance`, None when it no longer shows it),
-    /health, and a short completion. A late heartbeat (`offline`/`unknown`) is vast.ai's view of its own
-    agent, not of our server: the server decides."""
-    if instance is None:
-        return False, True, "the instance is gone"
-    if instance.stopped:
-        return False, True, f"vast.ai stopped the instance: {instance.status_msg or 'no message'}"
-    if instance.down:
-        return False, True, f"the instance is {instance.status}"
-    listed = instance.service_endpoint(SERVICE_PORT)
-    recorded = urlsplit(host.api_url or "")
-    if listed is None or (listed[0], listed[1]) != (recorded.hostname, recorded.port):
-        if listed is not None and listed[1] == recorded.port:
-            # the same mapping at another address: a dynamic IP changed under the host (static_ip false)
-            return False, True, f"{ADDRESS_CHANGED}: now {listed[0][:60]}, was {recorded.hostname}"
-        # a restarted instance's old port may be another renter's now: nothing more goes to this host
-        where = f"{listed[0]}:{listed[1]}" if listed else "no address"
-        return False, True, f"the marketplace now lists its server at {where[:80]}, not {recorded.netloc}"
-    # The whole check within health_timeout_s and every answer bounded: a host that drips its answers one
-    # byte a second (each read "in time") holds up neither the sweep nor the daemon; it is unhealthy.
-    timeout = ctx.settings.rotation.health_timeout_s
-    try:
-        async with asyncio.timeout(timeout), ctx.server(host).client(timeout=timeout) as client:
-            health = await bounded(client, "GET", "/health", deadline_s=timeout, max_bytes=HEALTH_REPLY_BYTES)
-            if health.status_code != 200:
-                return False, False, f"/health answered {health.status_code}"
-            reply = await bounded(
-                client,
-                "POST",
-                "/v1/chat/completions",
-                deadline_s=timeout,
-                max_bytes=HEALTH_REPLY_BYTES,
-                json={"messages": [{"role": "user", "content": "ping"}], "max_tokens": 2},
-            )
-            if reply.status_code != 200:
-                return False, False, f"completion answered {reply.status_code}"
-    except TimeoutError:
-        return False, False, f"no whole answer within {timeout:g}s (rotation.health_timeout_s)"
-    except httpx.HTTPError as e:
-        return False, False, f"{type(e).__name__}: {e}"
-    if instance.status in HEARTBEAT_LOST:
-        return True, False, f"ok (the marketplace reads it {instance.status})"
-    return True, False, "ok"
 
 
 def ending_soon(host: Host, by: datetime) -> str | None:
@@ -167,21 +86,10 @@ def take_extension(ctx: Context, host: Host, instance: Instance | None) -> None:
         ctx.record.event("info", "contract", json.dumps({"extended_to": extended.isoformat()}), host.id)
 
 
-async def marketplace_view(ctx: Context, hosts: list[Host]) -> dict[int, Instance | None]:
-    """Each host's instance from one listing; those it lacks are asked by id (gone or a listing gap)."""
-    ids = [h.instance_id for h in hosts if h.instance_id is not None]
-    listed: dict[int, Instance | None] = dict(await ctx.market.instances(ids)) if ids else {}
-    for instance_id in ids:
-        if instance_id not in listed:
-            listed[instance_id] = await ctx.market.get(instance_id)
-    return listed
-
-
 async def health_sweep(ctx: Context) -> list[HealthReport]:
     """Check every READY host; replace those that failed K sweeps in a row or whose instance is gone."""
     hosts = ctx.record.hosts(states=(HostState.READY,))
-    view = await marketplace_view(ctx, hosts)
-    checks = await asyncio.gather(*(checked(ctx, h, view.get(h.instance_id or -1)) for h in hosts))
+    view, checks = await checked_as_listed(ctx, hosts)
     reports, doomed = [], []
     ending = utcnow() + timedelta(hours=ctx.settings.rotation.contract_margin_hours)
     # windows unknown (the marketplace would not say): the sweep goes on without them, never aborted

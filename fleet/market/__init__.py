@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -356,6 +356,10 @@ class Market(Protocol):
     async def instances(self, ids: list[int]) -> dict[int, Instance]:
         """The given instances in one listing (a page per 25), for polling many at once. An id missing
         from the answer is gone or not yet visible, as with get."""
+
+    def instance_pages(self, ids: list[int]) -> AsyncIterator[dict[int, Instance]]:
+        """The same listing a page at a time, each as it answers: work on the first instances goes on while the
+        pages after them are paced."""
 
     async def attach_ssh_key(self, instance_id: int, public_key: str) -> None:
         """Put a public key on one instance (where the API key may not add one to the account). AuthError

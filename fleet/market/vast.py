@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -287,12 +287,15 @@ class VastMarket(AccountReads):
 
     async def instances(self, ids: list[int]) -> dict[int, Instance]:
         found: dict[int, Instance] = {}
-        for start in range(0, len(ids), PAGE):
-            chunk = sorted(ids)[start : start + PAGE]
-            for row in await self._listing({"id": {"in": chunk}}):
-                instance = instance_from_row(row)
-                found[instance.id] = instance
+        async for page in self.instance_pages(ids):
+            found.update(page)
         return found
+
+    async def instance_pages(self, ids: list[int]) -> AsyncIterator[dict[int, Instance]]:
+        wanted = sorted(ids)
+        for start in range(0, len(wanted), PAGE):
+            rows = await self._listing({"id": {"in": wanted[start : start + PAGE]}})
+            yield {instance.id: instance for instance in map(instance_from_row, rows)}
 
     async def ensure_ssh_key(self, public_key: str) -> None:
         """Register our public key on the account (vast.ai puts the account's keys on new instances only).

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fleet.control import rotation
+from fleet.control import healthcheck, rotation
 from fleet.control.up import UpRequest
 from fleet.core.config import Filters
 from fleet.core.models import HostState
@@ -62,7 +62,7 @@ async def test_a_host_whose_address_changed_is_replaced_and_its_machine_not_blam
                     assert time.monotonic() < deadline, "the local cloud did not move the address"
                     await asyncio.sleep(0.3)
             [report] = await rotation.health_sweep(fleet)  # the first sweep that reads it: nothing goes there now
-            assert not report.healthy and report.reason.startswith(rotation.ADDRESS_CHANGED), report.reason
+            assert not report.healthy and report.reason.startswith(healthcheck.ADDRESS_CHANGED), report.reason
             assert not report.blame and report.replaced_by is not None
             assert fleet.record.blacklist() == []  # the machine did nothing wrong
             assert fleet.record.hosts(names=[old.name])[0].state == HostState.DESTROYED
