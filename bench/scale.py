@@ -10,6 +10,10 @@ cloud's CPU (its process, which plays the hosts too), and the record's size. The
 hosts: a cost that grows linearly keeps its per-host figure flat down the table; one that grows worse does
 not.
 
+The sweep's two parts are then timed apart, side by side: the listing of the READY hosts' instances alone, and
+every host's check alone, one after the other as the sweep ran them until issue 48, against the sweep, which
+checks each listing page's hosts as that page answers.
+
 Then the marketplace: the calls a sweep and a reconcile made, by endpoint, and what the daemon's beats at the
 shipped settings (a sweep a minute, a reconcile every ten) ask of the listing endpoint a minute against what
 vast.ai allows it (one call a second). And at the end, `fleet destroy` of every host, against its floor: the
@@ -37,10 +41,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.control import rotation
+from fleet.control import healthcheck, rotation
 from fleet.control.reconcile import reconcile
 from fleet.control.up import UpRequest
 from fleet.core.config import Rotation
+from fleet.core.models import HostState
 from fleet.localcloud import control
 from fleet.market.pacing import PACES
 from tests.fleetkit import fleet_for, settings_for
@@ -82,6 +87,8 @@ class Row:
     record_bytes: int  # the SQLite file, its write-ahead log written back into it
     sweep_calls: dict[str, int]  # the marketplace calls a sweep made, by endpoint
     reconcile_calls: dict[str, int]
+    listing_s: float  # the sweep's two parts apart, each from a quiet start: the READY hosts' listing
+    checks_s: float  # and every host's check on that view
 
     def listing_share(self) -> float:
         """The listing calls a minute the daemon's shipped beats ask, as a share of what vast.ai allows."""
@@ -144,14 +151,17 @@ async def measure(sizes: list[int], tmp: Path) -> tuple[list[Row], Destroyed]:
                     if len(fleet.record.open_hosts()) < size:
                         raise SystemExit(f"scale: {size - have} hosts asked, {report.failures[:3]}")
                 up_s = time.monotonic() - began
+                await asyncio.sleep(PACES["list"].interval_s)  # the sweep's listing starts quiet, as its parts do
                 sweep = await timed(rotation.health_sweep(fleet), info.pid, fleet)
                 unhealthy = [r.reason for r in sweep.result if not r.healthy]
                 if unhealthy:
                     raise SystemExit(f"scale: {len(unhealthy)} of {size} hosts unhealthy: {unhealthy[:3]}")
                 settled = await timed(reconcile(fleet), info.pid, fleet)
                 stored = record_bytes(Path(fleet.settings.database.path))
+                listing_s, checks_s = await sweep_apart(fleet)
                 rows.append(Row(size, up_s, sweep.wall_s, sweep.fleet_cpu_s, sweep.cloud_cpu_s, settled.wall_s,
-                                settled.fleet_cpu_s, stored, sweep.calls, settled.calls))  # fmt: skip
+                                settled.fleet_cpu_s, stored, sweep.calls, settled.calls, listing_s,
+                                checks_s))  # fmt: skip
                 print(f"  {size} hosts: up {up_s:.1f} s, sweep {sweep.wall_s:.2f} s, reconcile {settled.wall_s:.2f} s",
                       file=sys.stderr)  # fmt: skip
             names = [h.name for h in fleet.record.open_hosts()]
@@ -188,6 +198,21 @@ async def timed(work, cloud_pid: int, fleet) -> Timed:
     return Timed(result, time.monotonic() - wall, time.process_time() - mine, cpu_s(cloud_pid) - cloud, calls)
 
 
+async def sweep_apart(fleet) -> tuple[float, float]:
+    """The sweep's listing alone, then every host's check on the view it gave, one after the other (as the sweep
+    ran them until issue 48 item 3); each after a listing interval, so that the pacing starts quiet."""
+    hosts = fleet.record.hosts(states=(HostState.READY,))
+    await asyncio.sleep(PACES["list"].interval_s)
+    began = time.monotonic()
+    view = await fleet.market.instances([h.instance_id for h in hosts])
+    listing_s = time.monotonic() - began
+    began = time.monotonic()
+    await asyncio.gather(*(healthcheck.checked(fleet, h, view.get(h.instance_id)) for h in hosts))
+    checks_s = time.monotonic() - began
+    await asyncio.sleep(PACES["list"].interval_s)
+    return listing_s, checks_s
+
+
 def calls_line(calls: dict[str, int]) -> str:
     return ", ".join(f"{k} {n}" for k, n in sorted(calls.items())) or "none"
 
@@ -215,6 +240,13 @@ def table(rows: list[Row], destroyed: Destroyed) -> str:
     for r in rows:
         lines.append(f"| {r.hosts} | {calls_line(r.sweep_calls)} | {calls_line(r.reconcile_calls)} "
                      f"| {100 * r.listing_share():.0f}% |")  # fmt: skip
+    lines += ["", "| hosts | the listing alone s | the checks alone s | one after the other s | the sweep s (each "
+              "page's hosts checked as it answers) | one after the other / the sweep |",
+              "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        apart = r.listing_s + r.checks_s
+        lines.append(f"| {r.hosts} | {r.listing_s:.2f} | {r.checks_s:.2f} | {apart:.2f} | {r.sweep_s:.2f} "
+                     f"| {apart / max(r.sweep_s, 1e-9):.2f}x |")  # fmt: skip
     d = destroyed
     singly, together = (
         d.singly_s / max(d.floor_s(d.singly_hosts), 1e-9),
