@@ -19,6 +19,7 @@ from fleet.localcloud.hosts import HostError, LocalHost
 from fleet.localcloud.instances import Instance
 from fleet.localcloud.simboot import SimulatedLocalHost
 from fleet.localcloud.state import CloudSettings, State
+from fleet.localcloud.steps import StepsInFlight
 
 log = logging.getLogger("fleet.localcloud")
 
@@ -36,6 +37,7 @@ class Booting:
     _tasks: dict[int, list[asyncio.Task]]
     _hosts: dict[int, LocalHost | SimulatedLocalHost]
     _networks: dict[int, network.HostNetwork]
+    _steps: StepsInFlight
 
     def save(self) -> None:
         raise NotImplementedError
@@ -132,8 +134,8 @@ class Booting:
         log.info("instance %s is %s: %s", inst.id, status, msg)  # each step, however briefly it lasts
 
     async def _boot(self, inst: Instance, restart: bool = False) -> None:
-        # Never cancelled: each step runs in a thread that a cancel would not stop, so after each one
-        # the boot looks whether the instance was destroyed meanwhile and, if so, ends what it started.
+        # After each wait the boot looks whether the instance was destroyed meanwhile, and if so takes no
+        # further step: the destroy ends what the steps started (steps.py).
         third = self.settings.provision_delay_s / 3
         steps = ((None, None), ("scheduling", "Scheduling instance"), ("created", "Container created"))
         for status, msg in steps[1:] if restart else steps:
@@ -230,20 +232,17 @@ class Booting:
         await self._host_steps(inst, later)
 
     async def _host_steps(self, inst: Instance, steps: list) -> bool:
-        host = self.host_for(inst)
+        """Run the host's steps one after another as long as the instance lives (steps.py)."""
         for step in steps:
+            if inst.id not in self.state.instances:
+                return False
             try:
-                await asyncio.to_thread(step)
+                await self._steps.run(inst.id, step)
             except HostError as e:
                 log.error("instance %s failed to boot: %s", inst.id, e)
                 self._set_status(inst, "exited", f"Error: {e}")
                 return False
-            finally:
-                if inst.id not in self.state.instances:
-                    await asyncio.to_thread(host.remove)
-            if inst.id not in self.state.instances:
-                return False
-        return True
+        return inst.id in self.state.instances
 
     async def _map_ports(self, inst: Instance) -> network.HostNetwork | None:
         """Start the container's forwarders. Its external ports were free when create picked them, but any

@@ -20,7 +20,7 @@ from typing import Any
 from fleet.localcloud import billing, catalog, network, query, rows, toolchain
 from fleet.localcloud.apierror import NO_SUCCESS, ApiError
 from fleet.localcloud.billing import Charge
-from fleet.localcloud.faults import FaultDice, Faults, HeartbeatGap
+from fleet.localcloud.faults import FaultDice, Faults, late_heartbeat
 from fleet.localcloud.hosts import LocalHost
 from fleet.localcloud.hub import Link
 from fleet.localcloud.instances import Instance, parse_create, pull_error
@@ -29,6 +29,7 @@ from fleet.localcloud.power import Power
 from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
 from fleet.localcloud.sshkeys import SshKeys
 from fleet.localcloud.state import CloudSettings, load_state, save_state, write_json_atomic
+from fleet.localcloud.steps import StepsInFlight
 
 log = logging.getLogger("fleet.localcloud")
 
@@ -51,6 +52,7 @@ class Cloud(Power, SshKeys):
         self._hosts: dict[int, LocalHost] = {}
         self.logs = InstanceLogs()
         self._networks: dict[int, network.HostNetwork] = {}
+        self._steps = StepsInFlight()
         self.limiter = RateLimiter(scale=0.0 if settings.kind else 1.0)
         if self.faults.search_quota_left is not None:
             self.limiter.set_search_quota_left(self.faults.search_quota_left)
@@ -236,7 +238,9 @@ class Cloud(Power, SshKeys):
 
     def row(self, inst: Instance, now: float) -> dict[str, Any]:
         """The instance as vast.ai's show-instance answers it, now."""
-        row = rows.instance_row(inst, self._heartbeat(inst, now) or inst.status, self.credit(), now)
+        row = rows.instance_row(
+            inst, late_heartbeat(self.faults, inst, not self.settings.kind, now) or inst.status, self.credit(), now
+        )
         other = self.state.instances.get(self.faults.lying_ports.get(inst.machine_id, -1))
         if other is not None and row["ports"]:  # its listing names another instance's ports but its SSH
             lent = {k: v for k, v in rows.listed_ports(other).items() if not k.startswith("22/")}
@@ -300,23 +304,12 @@ class Cloud(Power, SshKeys):
         net = self._networks.pop(instance_id, None)
         if net is not None:
             await net.stop()
+        await self._steps.ended(instance_id)  # the boot takes no step after it: the instance is gone
         await asyncio.to_thread(self.host_for(inst).remove)
         self._hosts.pop(instance_id, None)
         billing.close_open(self.state.charges, instance_id, time.time(), kinds=("gpu", "storage", "bandwidth"))
         self.save()
         log.info("destroyed instance %s", instance_id)
-
-    def _heartbeat(self, inst: Instance, now: float) -> str | None:
-        """`offline`/`unknown` while the host's heartbeat is late, or None. A fault names a machine; without
-        one, every third instance of a strict cloud misses its heartbeat once, soon after it runs."""
-        if inst.status != "running" or inst.running_at is None:
-            return None
-        gap = self.faults.heartbeat_gap.get(inst.machine_id)
-        if gap is None and not self.settings.kind and inst.id % 3 == 0:
-            gap = HeartbeatGap(after_s=2.0, for_s=3.0, status="offline" if inst.id % 2 else "unknown")
-        if gap and gap.after_s <= now - inst.running_at < gap.after_s + gap.for_s:
-            return gap.status
-        return None
 
     # ---- account -----------------------------------------------------------------------
     def credit(self) -> float:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fleet.localcloud.instances import Instance
 
 
 @dataclass
@@ -216,3 +219,16 @@ class FaultDice:
             fault.count -= 1
             return True
         return fault.share > 0 and self._rng.random() < fault.share
+
+
+def late_heartbeat(faults: Faults, inst: Instance, strict: bool, now: float) -> str | None:
+    """`offline`/`unknown` while the host's heartbeat is late, or None. A fault names a machine; without
+    one, every third instance of a strict cloud misses its heartbeat once, soon after it runs."""
+    if inst.status != "running" or inst.running_at is None:
+        return None
+    gap = faults.heartbeat_gap.get(inst.machine_id)
+    if gap is None and strict and inst.id % 3 == 0:
+        gap = HeartbeatGap(after_s=2.0, for_s=3.0, status="offline" if inst.id % 2 else "unknown")
+    if gap and gap.after_s <= now - inst.running_at < gap.after_s + gap.for_s:
+        return gap.status
+    return None

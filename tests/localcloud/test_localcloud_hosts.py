@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import subprocess
 import time
@@ -16,7 +17,10 @@ import httpx
 import pytest
 
 from fleet.localcloud import network, procs
+from fleet.localcloud.cloud import Cloud
 from fleet.localcloud.hosts import port_open
+from fleet.localcloud.server import DEFAULT_OFFERS_DIR
+from fleet.localcloud.state import CloudSettings
 from tests.helpers import (
     SERVICE_PORT,
     TINY_REPO,
@@ -24,6 +28,7 @@ from tests.helpers import (
     destroy,
     host_processes,
     mapped,
+    processes_mentioning,
     rent,
     wait_health,
     wait_status,
@@ -302,3 +307,48 @@ async def test_the_accounts_environment_variables_reach_every_container(cloud, a
     finally:
         assert (await api.request("DELETE", "/api/v0/secrets/", json={"key": "TEAM_SECRET"})).status_code == 200
     assert (await api.get("/api/v0/secrets/")).json() == {"secrets": {}}
+
+
+def test_a_destroy_during_a_boot_step_ends_what_the_step_started(tmp_path, monkeypatch):
+    """Found leaking an sshd: a destroy while a boot step ran in its thread (the host's keys being made, say)
+    removed the host's folder and processes first; the step then went on and started sshd for an instance
+    that no longer existed, which no destroy or shutdown ever ended. A destroy now waits out the step in
+    flight, and the boot takes no step after it."""
+    gate = tmp_path / "gate"
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    keygen = slow / "ssh-keygen"  # the machine's ssh-keygen, held at a gate the test opens (a slow disk's keygen)
+    wait = f"touch {gate}.started\nwhile [ ! -e {gate}.open ]; do sleep 0.02; done"
+    keygen.write_text(f'#!/bin/sh\n{wait}\nexec {shutil.which("ssh-keygen")} "$@"\n')
+    keygen.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow}:{os.environ['PATH']}")
+
+    async def run() -> None:
+        settings = CloudSettings(state_dir=tmp_path / "cloud", offers_dir=DEFAULT_OFFERS_DIR, kind=True)
+        cloud = Cloud(settings)
+        body = {
+            "image": "ghcr.io/fleet-voice/llama-server:test",
+            "disk": 20,
+            "label": "fleet-test",
+            "runtype": "ssh_direct",
+        }
+        try:
+            instance_id = cloud.create(cloud.offers[0]["id"], body)
+            token = cloud.state.instances[instance_id].token
+            host_dir = settings.state_dir / "hosts" / str(instance_id)
+            while not Path(f"{gate}.started").exists():  # the boot is inside its sshd step, in a thread
+                await asyncio.sleep(0.02)
+            destroying = asyncio.create_task(cloud.destroy(instance_id))
+            await asyncio.wait([destroying], timeout=1.0)
+            # a destroy that returned left no step of the host running
+            assert not destroying.done() or processes_mentioning(host_dir) == []
+            Path(f"{gate}.open").touch()
+            await destroying
+            assert procs.pids_with_marker(token) == [] and processes_mentioning(host_dir) == []
+            assert not host_dir.exists()
+        finally:
+            Path(f"{gate}.open").touch()
+            await cloud.shutdown()
+        assert processes_mentioning(settings.state_dir) == [], "the cloud left a host's processes running"
+
+    asyncio.run(run())
