@@ -15,6 +15,7 @@ import httpx
 
 from fleet.core import paths
 from fleet.core.errors import FleetError
+from fleet.localcloud import procs
 
 
 class CloudControlError(FleetError, RuntimeError):
@@ -54,15 +55,28 @@ def _alive(pid: int) -> bool:
 
 
 def find(state_dir: Path) -> CloudInfo | None:
-    """The running cloud of this state directory, or None."""
+    """The running cloud of this state directory, or None. A cloud killed without its shutdown leaves its
+    server.json behind, and its PID soon names another process: the process must also have the start time
+    the file records (a file without one, an older fleet's: the process must be a local cloud's server)."""
     path = state_dir / "server.json"
     try:
         info = json.loads(path.read_text())
-    except (OSError, ValueError):
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _alive(int(info["pid"])):
+    if info.get("started") is not None:
+        if procs.identity(pid) != info["started"]:
+            return None
+    elif not _alive(pid) or b"fleet.localcloud.server" not in _command_line(pid):
         return None
-    return CloudInfo(url=info["url"], pid=int(info["pid"]), state_dir=state_dir)
+    return CloudInfo(url=info["url"], pid=pid, state_dir=state_dir)
+
+
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def start(

@@ -51,7 +51,7 @@ def _parents() -> dict[int, int]:
     return parents
 
 
-def _identity(pid: int) -> str | None:
+def identity(pid: int) -> str | None:
     """The process's start time, which tells it from a later process given the same PID; None once it
     has exited (a zombie included: a container's init may never reap it)."""
     fields = _stat_fields(pid)
@@ -93,9 +93,9 @@ def end_host_processes(token: str, roots: list[int], grace_s: float = 3.0) -> in
     seen: dict[int, str] = {}
     deadline = time.monotonic() + grace_s
     while True:
-        alive = [pid for pid, start in seen.items() if _identity(pid) == start]
+        alive = [pid for pid, start in seen.items() if identity(pid) == start]
         for pid in host_pids(token, [*roots, *alive]):
-            if pid != os.getpid() and pid not in alive and (start := _identity(pid)) is not None:
+            if pid != os.getpid() and pid not in alive and (start := identity(pid)) is not None:
                 seen[pid], alive = start, [*alive, pid]
         if not alive:
             return len(seen)

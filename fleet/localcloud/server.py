@@ -1,6 +1,6 @@
 """The local cloud's server process: `python -m fleet.localcloud.server --state-dir DIR`.
 
-It writes `server.json` (url, pid) into the state directory once it listens, and on SIGTERM
+It writes `server.json` (url, pid and the process's start time) into the state directory once it listens, and on SIGTERM
 stops every host's processes before it exits.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleet.localcloud import cardmodel, replicas, toolchain
+from fleet.localcloud import cardmodel, procs, replicas, toolchain
 from fleet.localcloud.api import build_app
 from fleet.localcloud.cloud import Cloud, CloudSettings
 from fleet.localcloud.hub import Hub
@@ -45,7 +45,8 @@ async def serve(settings: CloudSettings, host: str, port: int, publish: list[tup
     bound = runner.addresses[0][1]
     await cloud.resume_hosts()
     write_json_atomic(
-        settings.state_dir / "server.json", {"url": f"http://{host}:{bound}", "pid": os.getpid(), "port": bound}
+        settings.state_dir / "server.json",
+        {"url": f"http://{host}:{bound}", "pid": os.getpid(), "started": procs.identity(os.getpid()), "port": bound},
     )
     logging.getLogger("fleet.localcloud").info("listening on http://%s:%s", host, bound)
 

@@ -70,3 +70,22 @@ def test_instances_survive_a_restart_and_come_back_running(tmp_path, llama_serve
         httpx.delete(f"{info.url}/api/v0/instances/{instance_id}/", headers=headers).raise_for_status()
     finally:
         control.stop(state)
+
+
+def test_a_cloud_that_died_without_a_word_is_not_mistaken_for_the_process_now_holding_its_pid(tmp_path):
+    """Found failing another test: a cloud killed without its shutdown leaves its server.json; the PID in it
+    is soon another process's (they wrap at 32,768 here), and `fleet cloud stop` sent that process SIGTERM,
+    which had been a fresh cloud of another test. A server.json names its process by PID and start time."""
+    state = tmp_path / "cloud"
+    state.mkdir()
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)  # whoever holds the PID now
+    try:
+        (state / "server.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": stranger.pid, "port": 9}))
+        status = json.loads(fleet("cloud", "status", "--json", state_dir=state).stdout)
+        assert status["running"] is False
+        stopped = fleet("cloud", "stop", state_dir=state)
+        assert stopped.returncode == 0 and "not running" in stopped.stdout
+        assert stranger.poll() is None, "fleet cloud stop ended a process that was not its cloud"
+    finally:
+        stranger.kill()
+        stranger.wait()
