@@ -9,8 +9,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event, or_, text
 from sqlalchemy import update as sql_update
 from sqlalchemy.engine import Engine
@@ -32,8 +30,8 @@ from fleet.core.models import (
     utcnow,
 )
 from fleet.core.ownership import owner_is_dead, process_owner
+from fleet.core.schema import migrate
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 BUSY_TIMEOUT_MS = 10_000
 
 
@@ -84,36 +82,6 @@ def make_engine(target: Path | str) -> Engine:
         cursor.close()
 
     return engine
-
-
-def migrate(engine: Engine, revision: str = "head") -> None:
-    """Bring the schema to the newest migration (or to `revision`)."""
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.connect() as connection:
-        sqlite = connection.dialect.name == "sqlite"
-        raw = connection.connection.driver_connection
-        if sqlite:
-            # SQLite alters a table by copying it; its foreign keys must not fire while the old copy is
-            # dropped. The pragma only takes effect outside a transaction: say it on the driver's
-            # connection, before SQLAlchemy begins one.
-            raw.execute("PRAGMA foreign_keys=OFF")
-        with connection.begin():
-            cfg.attributes["connection"] = connection
-            command.upgrade(cfg, revision)
-            if sqlite:
-                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-                if broken:
-                    raise RuntimeError(f"migration left rows whose references are broken: {broken[:5]}")
-        if sqlite:
-            raw.execute("PRAGMA foreign_keys=ON")
-    # WAL and SHM side files must be as private as the database itself.
-    url = engine.url
-    if url.drivername.startswith("sqlite") and url.database:
-        for suffix in ("-wal", "-shm"):
-            side = Path(url.database + suffix)
-            if side.exists():
-                os.chmod(side, 0o600)
 
 
 _ENGINES: dict[str, Engine] = {}  # one engine per database in a process, migrated once
