@@ -14,13 +14,16 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import gguf
 import httpx
 
 from fleet.core.errors import FleetError
 from fleet.plan import ranges
+
+if TYPE_CHECKING:
+    import gguf
 
 FIRST_RANGE = 256 * 1024
 MAX_HEADER = 128 * 1024 * 1024
@@ -54,7 +57,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        block, type_size = gguf.GGML_QUANT_SIZES[self.type]
+        block, type_size = gguf_package().GGML_QUANT_SIZES[self.type]
         if self.shape and self.shape[0] % block:
             raise GgufError(
                 f"tensor {self.name}: row of {self.shape[0]} is not a multiple of {self.type.name}'s block of {block}"
@@ -106,39 +109,35 @@ class _Cursor:
         return self.take(n).decode("utf-8", errors="replace")
 
 
-_SCALARS = {
-    gguf.GGUFValueType.UINT8: "B",
-    gguf.GGUFValueType.INT8: "b",
-    gguf.GGUFValueType.UINT16: "H",
-    gguf.GGUFValueType.INT16: "h",
-    gguf.GGUFValueType.UINT32: "I",
-    gguf.GGUFValueType.INT32: "i",
-    gguf.GGUFValueType.FLOAT32: "f",
-    gguf.GGUFValueType.BOOL: "?",
-    gguf.GGUFValueType.UINT64: "Q",
-    gguf.GGUFValueType.INT64: "q",
-    gguf.GGUFValueType.FLOAT64: "d",
-}
+# GGUF's metadata value types (the format's specification numbers them; gguf.GGUFValueType holds the same)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
 
 
 def _value(cur: _Cursor, vtype: int) -> Any:
-    try:
-        kind = gguf.GGUFValueType(vtype)
-    except ValueError:
-        raise GgufError(f"unknown metadata value type {vtype}") from None
-    if kind in _SCALARS:
-        return cur.unpack(_SCALARS[kind])
-    if kind == gguf.GGUFValueType.STRING:
+    if vtype in _SCALARS:
+        return cur.unpack(_SCALARS[vtype])
+    if vtype == _STRING:
         return cur.string()
+    if vtype != _ARRAY:
+        raise GgufError(f"unknown metadata value type {vtype}")
     item_type = cur.unpack("I")
     count = cur.unpack("Q")
     if count > MAX_HEADER:
         raise GgufError(f"an array of {count} items: not a GGUF header")
     if item_type in _SCALARS:  # read numeric arrays in one go
-        fmt = _SCALARS[gguf.GGUFValueType(item_type)]
+        fmt = _SCALARS[item_type]
         size = struct.calcsize(fmt)
         return list(struct.unpack(f"<{count}{fmt}", cur.take(size * count)))
     return [_value(cur, item_type) for _ in range(count)]
+
+
+def gguf_package() -> ModuleType:
+    """The gguf package (its tensor types and their sizes), loaded when a header is first read: with numpy it
+    is a seventh of every fleet command's start, and most commands read no header."""
+    import gguf
+
+    return gguf
 
 
 def parse(data: bytes) -> GgufHeader:
@@ -165,11 +164,11 @@ def parse(data: bytes) -> GgufHeader:
         shape = tuple(cur.unpack("Q") for _ in range(n_dims))
         raw_type = cur.unpack("I")
         try:
-            ttype = gguf.GGMLQuantizationType(raw_type)
+            ttype = gguf_package().GGMLQuantizationType(raw_type)
         except ValueError:
             raise GgufError(f"tensor {name}: unknown type {raw_type}") from None
         tensors.append(TensorInfo(name, shape, ttype, cur.unpack("Q")))
-    alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    alignment = int(metadata.get("general.alignment", gguf_package().GGUF_DEFAULT_ALIGNMENT))
     start = cur.pos + (-cur.pos % alignment)
     return GgufHeader(version, metadata, tensors, start)
 

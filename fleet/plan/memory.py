@@ -19,25 +19,23 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import gguf
-
 from fleet.engines.llama_server import SHARED_CACHE
-from fleet.plan.gguf import GgufError, GgufHeader
+from fleet.plan.gguf import GgufError, GgufHeader, gguf_package
 
 GIB = 1024**3
 MIB = 1024**2
 CELL_PAD = 256
 CARD_SIZES_GB = (16, 24, 32, 48, 80, 96, 141)
 CACHE_TYPES = {
-    "f32": gguf.GGMLQuantizationType.F32,
-    "f16": gguf.GGMLQuantizationType.F16,
-    "bf16": gguf.GGMLQuantizationType.BF16,
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    "q4_1": gguf.GGMLQuantizationType.Q4_1,
-    "q5_0": gguf.GGMLQuantizationType.Q5_0,
-    "q5_1": gguf.GGMLQuantizationType.Q5_1,
-    "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
+    "f32": "F32",
+    "f16": "F16",
+    "bf16": "BF16",
+    "q8_0": "Q8_0",
+    "q4_0": "Q4_0",
+    "q4_1": "Q4_1",
+    "q5_0": "Q5_0",
+    "q5_1": "Q5_1",
+    "iq4_nl": "IQ4_NL",
 }
 # Architectures whose windowed layers follow a period (llama.cpp's set_swa_pattern) when the file
 # has no per-layer pattern: every `period`-th layer is global.
@@ -99,7 +97,8 @@ def _pad(n: int, to: int = CELL_PAD) -> int:
 
 def _cache_bytes(elements: int, type_name: str) -> int:
     try:
-        block, size = gguf.GGML_QUANT_SIZES[CACHE_TYPES[type_name]]
+        package = gguf_package()
+        block, size = package.GGML_QUANT_SIZES[package.GGMLQuantizationType[CACHE_TYPES[type_name]]]
     except KeyError:
         raise GgufError(f"unknown cache type {type_name!r} (have: {', '.join(CACHE_TYPES)})") from None
     if elements % block:

@@ -284,3 +284,11 @@ def test_a_disk_too_small_for_the_image_and_the_weights_is_refused_before_anythi
         result = fleet(env, command, "--model", "tiny", "--region", "eu", "--json")
         assert result.returncode == 2 and "disk_gb = 10" in json.loads(result.stdout)["error"]
     assert cloud.state()["instances"] == {}
+
+
+def test_a_command_starts_without_the_packages_only_some_commands_need():
+    """Every fleet command pays for what the CLI imports before it parses its arguments (the suite runs some
+    350 of them): alembic loads only when a migration runs, gguf and numpy only when a header is read."""
+    program = "import sys, fleet.cli; print(' '.join(sorted({'alembic', 'gguf', 'numpy'} & set(sys.modules))))"
+    loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == ""
