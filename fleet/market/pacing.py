@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,13 +85,34 @@ class Counters:
 class Pacer:
     def __init__(self, paces: dict[str, Pace] | None = None) -> None:
         self._paces = paces or PACES
+        self._default = DEFAULT_PACE
         self._locks: dict[tuple[int, str], asyncio.Lock] = {}  # per event loop: a lock belongs to one
         self._next: dict[str, float] = {}
         self._window: dict[str, deque[float]] = {}
         self.counters = Counters()
 
     def pace(self, endpoint: str) -> Pace:
-        return self._paces.get(endpoint, DEFAULT_PACE)
+        return self._paces.get(endpoint, self._default)
+
+    @contextmanager
+    def scaled(self, factor: float) -> Iterator[None]:
+        """Inside the block every endpoint's interval and penalty are `factor` times theirs, and its calls a
+        minute 1/`factor` times (the install's budget in the record takes the same paces). For a bench that
+        brings many simulated hosts up against the kind local cloud, which refuses no rate, before it measures
+        at vast.ai's paces; vast.ai would refuse the calls, each refusal locking the endpoint for longer."""
+        if not 0 < factor <= 1:
+            raise ValueError(f"a pace scale is in (0, 1], not {factor}")
+
+        def scale(p: Pace) -> Pace:
+            per_minute = math.ceil(p.per_minute / factor) if p.per_minute else 0
+            return Pace(p.interval_s * factor, per_minute, p.penalty_s * factor)
+
+        paces, default = self._paces, self._default
+        self._paces, self._default = {k: scale(p) for k, p in paces.items()}, scale(default)
+        try:
+            yield
+        finally:
+            self._paces, self._default = paces, default
 
     @asynccontextmanager
     async def slot(self, endpoint: str) -> AsyncIterator[None]:

@@ -88,3 +88,23 @@ async def test_a_bring_up_the_marketplace_throttles_waits_and_blames_no_machine(
     finally:
         cloud.set_faults({})
     assert limited >= 8
+
+
+def test_a_scaled_pacer_quickens_every_endpoint_for_its_block_alone():
+    """bench/scale.py brings a thousand simulated hosts up against the kind local cloud at a fiftieth of vast.ai's
+    paces, then measures at vast.ai's own: the scale holds inside its block only, for every endpoint."""
+    pacer = Pacer()
+    create, search, other = pacer.pace("create"), pacer.pace("search"), pacer.pace("an endpoint with no row")
+    with pacer.scaled(0.02):
+        assert pacer.pace("create").interval_s == pytest.approx(create.interval_s * 0.02)
+        assert pacer.pace("create").penalty_s == pytest.approx(create.penalty_s * 0.02)
+        assert pacer.pace("search").per_minute == search.per_minute * 50
+        assert pacer.pace("an endpoint with no row").interval_s == pytest.approx(other.interval_s * 0.02)
+    assert (pacer.pace("create"), pacer.pace("search"), pacer.pace("an endpoint with no row")) == (
+        create,
+        search,
+        other,
+    )
+    for wrong in (0, 1.5, -1):
+        with pytest.raises(ValueError, match="pace scale"), pacer.scaled(wrong):
+            pass
