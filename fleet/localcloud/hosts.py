@@ -56,7 +56,8 @@ class LocalHost:
     disk_bytes: int | None = None  # what the container may write: its disk allocation less its image (disks.py)
     engine: str = "llama-server"  # what its image serves (toolchain.image_engine)
     vllm_python: Path | None = None  # the vLLM image's python3: scripts/setup-vllm's environment
-    roots: list[int] = field(default_factory=list)  # PIDs this object spawned (sshd, onstart)
+    # what this object spawned (sshd, onstart): PID and start time, since an ended root's PID is soon another's
+    roots: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def root(self) -> Path:
@@ -223,7 +224,9 @@ class LocalHost:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.roots.append(process.pid)
+        started = procs.identity(process.pid)
+        if started is not None:  # one already gone has nothing below it to end
+            self.roots.append((process.pid, started))
         return process.pid
 
     def _wait_sshd(self, pid: int, timeout_s: float) -> int:
@@ -306,7 +309,7 @@ class LocalHost:
 
     def _roots(self) -> list[int]:
         sshd = self.sshd_pid()
-        return [*self.roots, *([sshd] if sshd else [])]
+        return [*(pid for pid, started in self.roots if procs.identity(pid) == started), *([sshd] if sshd else [])]
 
     def processes(self) -> list[int]:
         return procs.host_pids(self.token, self._roots())

@@ -44,6 +44,7 @@ from fleet.gateway import process
 from fleet.gateway.files import endpoint_names, files_for
 from fleet.gateway.runtime import Runtime, checked, parse_table
 from fleet.host.endpoints import publish
+from fleet.localcloud import procs
 from tests.fleetkit import fleet_for, settings_for, write_config
 from tests.helpers import kill_llama_server, processes_mentioning
 
@@ -524,7 +525,7 @@ async def test_publishes_side_by_side_apply_each_change_once(gw):
         await publish(gw)
 
 
-async def test_a_revoked_key_is_refused_at_once(gw, module_dir):
+async def test_a_revoked_key_is_refused_at_once(cloud, gw, module_dir):
     key = await gateway.add_key(gw, "dave")
     await wait_hosts_up(gw)
     async with client(gw, key) as c:
@@ -537,27 +538,35 @@ async def test_a_revoked_key_is_refused_at_once(gw, module_dir):
         assert json.loads(revoked.stdout) == {"name": "dave", "revoked": 1}
         refused = await c.post(CHAT, json=turn("hi"))  # the next request, no wait
         assert refused.status_code == 401
-    # a stream already running when its key is revoked ends then, not when its reply is done
+    # a stream already running when its key is revoked ends then, not when its reply is done; the hosts slowed,
+    # so that the reply outlasts the revoke however fast the tiny model decodes (it once ran whole before it)
     key = await gateway.add_key(gw, "dave-2")
-    async with client(gw, key) as c:
-        events: list[str] = []
-        ended = "done"
-        long_reply = turn("tell me a long story", max_tokens=4000, stream=True, ignore_eos=True)
-        try:
-            async with c.stream("POST", CHAT, json=long_reply) as reply:
-                assert reply.status_code == 200
-                async for line in reply.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        if len(events) == 5:
-                            await gateway.revoke_key(gw, "dave-2")
-        except (httpx.RemoteProtocolError, httpx.ReadError):
-            ended = "cut"
-        assert (ended == "cut" or events[-1] != "[DONE]") and 5 <= len(events) < 4000 // 2, (ended, len(events))
-        again = subprocess.run(
-            [".venv/bin/fleet", "gateway", "key", "revoke", "dave", "--json"], env=env, capture_output=True, text=True
-        )
-        assert again.returncode == 2 and "no live key" in json.loads(again.stdout)["error"]
+    try:
+        slow_down(cloud, gw, share=0.8)
+        async with client(gw, key) as c:
+            events: list[str] = []
+            ended = "done"
+            long_reply = turn("tell me a long story", max_tokens=4000, stream=True, ignore_eos=True)
+            try:
+                async with c.stream("POST", CHAT, json=long_reply) as reply:
+                    assert reply.status_code == 200
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 5:
+                                await gateway.revoke_key(gw, "dave-2")
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                ended = "cut"
+            assert (ended == "cut" or events[-1] != "[DONE]") and 5 <= len(events) < 4000 // 2, (ended, len(events))
+            again = subprocess.run(
+                [".venv/bin/fleet", "gateway", "key", "revoke", "dave", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert again.returncode == 2 and "no live key" in json.loads(again.stdout)["error"]
+    finally:
+        cloud.set_faults({})
 
 
 def cli_env(fleet: Fleet, module_dir: Path) -> dict[str, str]:
@@ -573,14 +582,34 @@ def cli_env_for(settings: config.Settings, module_dir: Path) -> dict[str, str]:
 
 
 def slow_down(cloud, fleet: Fleet, share: float = 0.95) -> None:
-    """Every host of the record decodes slowly from now (stopped `share` of each 100 ms): a stream lasts."""
+    """Every host of the record decodes slowly from now (stopped `share` of each 100 ms): a stream lasts.
+    Returns once each host's llama-server has been seen stopped: a stream begun after it is slow from its
+    first token (one begun before the sag took hold ran its whole reply at the tiny model's pace)."""
     rows = cloud.state()["instances"]
-    sag = {}
+    sag, tokens = {}, []
     for host in fleet.record.hosts(states=(HostState.READY,)):
         row = rows[str(host.instance_id)]
         started = time.time() - row["running_at"]
         sag[str(row["offer"]["machine_id"])] = {"start_after_s": started, "ramp_s": 0.01, "max_stop_share": share}
+        tokens.append(row["token"])
     cloud.set_faults({"decode_sag": sag})
+    for token in tokens:
+        assert _seen_stopped(token), f"the decode sag never stopped the llama-server of host {token[:8]}"
+
+
+def _seen_stopped(token: str, samples: int = 2000) -> bool:
+    """Whether the host's llama-server is seen stopped (SIGSTOP, state T) within `samples` looks."""
+    for _ in range(samples):
+        for pid in procs.pids_with_marker(token):
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                if (
+                    stat[stat.index("(") + 1 : stat.rindex(")")] == "llama-server"
+                    and stat.rsplit(")", 1)[1].split()[0] == "T"
+                ):
+                    return True
+        time.sleep(0.005)
+    return False
 
 
 class Stream:

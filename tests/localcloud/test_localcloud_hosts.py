@@ -18,7 +18,7 @@ import pytest
 
 from fleet.localcloud import network, procs
 from fleet.localcloud.cloud import Cloud
-from fleet.localcloud.hosts import port_open
+from fleet.localcloud.hosts import LocalHost, port_open
 from fleet.localcloud.server import DEFAULT_OFFERS_DIR
 from fleet.localcloud.state import CloudSettings
 from tests.helpers import (
@@ -208,6 +208,41 @@ def test_ending_a_host_waits_for_a_child_that_outlives_its_parent(tmp_path):
     assert found >= 2  # the parent, the child, and the sleep its trap started
     assert not _running(child)
     assert parent.poll() is not None
+
+
+def _process_at(pid: int, argv: list[str]) -> subprocess.Popen:
+    """Start `argv` as the process with this PID (the kernel's next PID set through ns_last_pid, as CRIU does;
+    other processes of the machine may take it first, so it tries again)."""
+    for _ in range(200):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        process = subprocess.Popen(argv, start_new_session=True)
+        if process.pid == pid:
+            return process
+        process.kill()
+        process.wait()
+    raise AssertionError(f"PID {pid} could not be taken")
+
+
+def test_ending_a_host_never_signals_the_process_that_took_a_pid_its_onstart_left(tmp_path):
+    """Found failing the suite: a host keeps the PIDs it spawned (sshd, the onstart script) to end their trees.
+    An onstart that has ended is reaped and its PID is free, soon another's (PIDs wrap at 32,768, and a suite
+    forks ~100k times); ending the host then sent that stranger, and all below it, SIGTERM."""
+    host = LocalHost(
+        directory=tmp_path / "host", token=secrets.token_hex(8), private_ip="127.0.0.1", ssh_port=0, llama_server=None
+    )
+    host.prepare()
+    onstart = host.run_onstart("exit 0", {})
+    while _running(onstart):
+        time.sleep(0.01)
+    subprocess.run(["true"], check=True)  # the next child this process starts reaps the ended one: its PID is free
+    assert not Path(f"/proc/{onstart}").exists()
+    stranger = _process_at(onstart, ["sleep", "600"])
+    try:
+        host.stop()
+        assert stranger.poll() is None, "ending the host signalled the process that holds its onstart's old PID"
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 async def test_a_port_taken_while_the_container_loads_is_mapped_anew(cloud, api, ssh_keypair):
