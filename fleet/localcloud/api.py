@@ -111,7 +111,15 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
                 raise
             return json_response({"success": False, "error": "server_error", "msg": "internal error"}, 500)
 
-    app = web.Application(middlewares=[vast_errors])
+    @web.middleware
+    async def saved_before_answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """What an answer shows, or a call changed, is on disk before the answer is sent (state.py)."""
+        try:
+            return await handler(request)
+        finally:
+            cloud.writer.flush()
+
+    app = web.Application(middlewares=[saved_before_answer, vast_errors])
     r = app.router
 
     async def search(request: web.Request) -> web.Response:
@@ -266,7 +274,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response(cloud.extend_contract(_int_param(request, "id"), float(end)))
 
     async def admin_stats(request: web.Request) -> web.Response:
-        return json_response({"rate_limited": cloud.limiter.refused})
+        return json_response({"rate_limited": cloud.limiter.refused, "state_writes": cloud.writer.writes})
 
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)

@@ -28,7 +28,7 @@ from fleet.localcloud.logs import InstanceLogs
 from fleet.localcloud.power import Power
 from fleet.localcloud.ratelimit import DAILY_SEARCH_QUOTA, RateLimiter
 from fleet.localcloud.sshkeys import SshKeys
-from fleet.localcloud.state import CloudSettings, load_state, save_state, write_json_atomic
+from fleet.localcloud.state import CloudSettings, StateWriter, load_state, write_json_atomic
 from fleet.localcloud.steps import StepsInFlight
 
 log = logging.getLogger("fleet.localcloud")
@@ -46,6 +46,8 @@ class Cloud(Power, SshKeys):
         self.api_key = self._load_or_make_key()
         self.offers = catalog.load_offers(settings.offers_dir)
         self.state = load_state(self.state_dir / "state.json")
+        self.writer = StateWriter(self.state_dir / "state.json", self.state)
+        self.balance = billing.Balance(self.state.charges)
         self.faults = self._load_faults()
         self.dice = FaultDice()
         self._tasks: dict[int, list[asyncio.Task]] = {}
@@ -72,7 +74,7 @@ class Cloud(Power, SshKeys):
         return key
 
     def save(self) -> None:
-        save_state(self.state_dir / "state.json", self.state)
+        self.writer.mark()
 
     def _load_faults(self) -> Faults:
         path = self.state_dir / "faults.json"
@@ -313,7 +315,7 @@ class Cloud(Power, SshKeys):
 
     # ---- account -----------------------------------------------------------------------
     def credit(self) -> float:
-        return billing.credit(self.state.charges, time.time(), self.faults.credit_usd)
+        return self.balance.left(self.faults.credit_usd)
 
     def count_traffic(self, instance_id: int, down: int = 0, up: int = 0) -> None:
         """Bytes the instance received and sent: billed at its offer's $/GB whatever its state."""
@@ -321,6 +323,7 @@ class Cloud(Power, SshKeys):
         if charge is not None:
             charge.bytes_down += down
             charge.bytes_up += up
+            self.balance.changed()
 
     def link_of(self, address: str) -> Link | None:
         """The live instance whose host has this address, with its offer's download speed: the hub serves a
@@ -389,4 +392,5 @@ class Cloud(Power, SshKeys):
         await asyncio.get_running_loop().shutdown_default_executor()
         for inst in self.state.instances.values():
             self.host_for(inst).shut_down()
-        self.save()
+        self.writer.mark()
+        self.writer.flush()
