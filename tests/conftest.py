@@ -131,8 +131,10 @@ def _kind(request: pytest.FixtureRequest) -> bool:
 
 
 def _stop_and_check(handle: CloudHandle) -> None:
-    tokens = handle.host_tokens()
-    control.stop(handle.info.state_dir)
+    try:
+        tokens = handle.host_tokens()
+    finally:  # a cloud whose state cannot be read is stopped all the same
+        control.stop(handle.info.state_dir)
     leftovers = {t: procs.pids_with_marker(t) for t in tokens}
     assert not any(leftovers.values()), f"host processes left running: {leftovers}"
     assert processes_mentioning(handle.info.state_dir) == [], "processes of the local cloud left running"
