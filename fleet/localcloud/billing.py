@@ -65,6 +65,7 @@ class Balance:
     def __init__(self, charges: list[Charge]) -> None:
         self.charges = charges
         self._last: tuple[float, float | None, float] | None = None  # when, the starting credit, the credit
+        self._traffic: dict[int, Charge] = {}
 
     def left(self, starting_usd: float | None) -> float:
         now = time.monotonic()
@@ -74,6 +75,13 @@ class Balance:
 
     def changed(self) -> None:
         self._last = None
+
+    def traffic(self, instance_id: int) -> Charge | None:
+        """The instance's bandwidth charge, found once: every piece its forwarders relay adds to it."""
+        charge = self._traffic.get(instance_id)
+        if charge is None and (charge := bandwidth(self.charges, instance_id)) is not None:
+            self._traffic[instance_id] = charge
+        return charge
 
 
 def close_open(

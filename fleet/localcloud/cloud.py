@@ -319,11 +319,10 @@ class Cloud(Power, SshKeys):
 
     def count_traffic(self, instance_id: int, down: int = 0, up: int = 0) -> None:
         """Bytes the instance received and sent: billed at its offer's $/GB whatever its state."""
-        charge = billing.bandwidth(self.state.charges, instance_id)
+        charge = self.balance.traffic(instance_id)  # in the balance within its period: no sum again for each piece
         if charge is not None:
             charge.bytes_down += down
             charge.bytes_up += up
-            self.balance.changed()
 
     def link_of(self, address: str) -> Link | None:
         """The live instance whose host has this address, with its offer's download speed: the hub serves a

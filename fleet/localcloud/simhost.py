@@ -6,9 +6,8 @@ What it plays, and how it differs from a real host (hosts.py) on purpose:
 - an SSH server (asyncssh) on the host's private address: root alone, by an authorized public key; the
   platform's host key until `announce_key()`, which plays onstart's `fleet-host-key` (the key's line on the
   console, then the key presented), as the image does after sshd has started;
-- its disk is a table of paths: a pulled model is its size alone (fleet-pull asks the hub for the size and
-  copies nothing, so no traffic is billed), small files (the TLS key, certificate, API key, template) hold
-  their bytes;
+- its disk is a table of paths: a pulled model is its size alone (fleet-pull asks the hub for the size and copies
+  nothing, so no traffic is billed), small files (the TLS key, certificate, API key, template) their bytes;
 - fleet-port-check, fleet-tls, fleet-put, stat, tail, the template put, `kill -0` and the memory read answer
   as the scripts do, with the same exit statuses and error lines;
 - fleet-serve starts simserver's llama-server over TLS with the installed certificate and the key from stdin,
@@ -22,6 +21,7 @@ import asyncio
 import base64
 import binascii
 import datetime as dt
+import functools
 import hashlib
 import itertools
 import posixpath
@@ -254,6 +254,12 @@ async def _tls(host: SimulatedHost, args: list[str], process: asyncssh.SSHServer
     return 0
 
 
+@functools.cache
+def _hub_tls() -> ssl.SSLContext:
+    """One TLS context for every pull: one each, loading the system's CAs, was a tenth of the cloud's CPU."""
+    return ssl.create_default_context()
+
+
 async def _pull(host: SimulatedHost, args: list[str], process: asyncssh.SSHServerProcess) -> int:
     """fleet-pull URL SHA256 DEST CONNECTIONS: the file's size from the hub (HEAD), its progress, then `ok`."""
     if len(args) != 4:
@@ -261,7 +267,7 @@ async def _pull(host: SimulatedHost, args: list[str], process: asyncssh.SSHServe
         return 2
     url, sha256, dest = args[0], args[1], args[2]
     try:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, verify=_hub_tls()) as client:
             head = await client.head(url)
         size = int(head.headers["content-length"])
         head.raise_for_status()

@@ -139,6 +139,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        # compact, so that json's C encoder writes it (an indent takes its pure-Python path: 4.5 times the CPU)
-        json.dump(data, f, sort_keys=True, separators=(",", ":"))
+        # json.dumps, compact: json's C encoder (json.dump, or an indent, takes its pure-Python path: 4.5 times the
+        # CPU, and at 1,000 hosts most of the cloud's)
+        f.write(json.dumps(data, sort_keys=True, separators=(",", ":")))
     os.replace(tmp, path)
