@@ -49,18 +49,19 @@ def cache_args(profile: Profile) -> list[str]:
     stream per slot's rate (bench/gpu/results/2026-12-03-slots.md). A profile that says `-kvu` keeps it, with each
     slot held to its planned context and an idle slot's cells kept on the card (--cache-idle-slots would clear
     them when another call starts: a voice call's next turn must find its own); its own per-slot context or
-    idle-slot choice stands."""
+    idle-slot choice stands. With a stream per slot, --no-cache-idle-slots too: llama-server's default copies
+    every idle slot's state into its RAM prompt cache at each launch (server-context.cpp), while the idle call's
+    cells stay on the card; a slot another call takes is still saved then."""
     args = profile.args
     if profile.slots < 2 or any(a in NO_SHARED_CACHE for a in args):
         return []
+    idle = [] if any(a in IDLE_SLOTS for a in args) else ["--no-cache-idle-slots"]
     if not any(a in SHARED_CACHE for a in args):
-        return [NO_SHARED_CACHE[0]]
+        return [NO_SHARED_CACHE[0], *idle]
     added = []
     if not any(a == PER_SLOT or a.startswith(PER_SLOT + "=") for a in args):
         added += [PER_SLOT, str(profile.ctx_per_slot)]
-    if not any(a in IDLE_SLOTS for a in args):
-        added.append("--no-cache-idle-slots")
-    return added
+    return added + idle
 
 
 # llama-server's flags of a draft model (common/arg.cpp: every --spec-* flag, and their older names); those in

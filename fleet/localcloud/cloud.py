@@ -236,7 +236,7 @@ class Cloud(Power, SshKeys):
     def list_rows(self, params: dict[str, str]) -> dict[str, Any]:
         now = time.time()
         visible = [i for i in sorted(self.state.instances.values(), key=lambda i: i.id) if self._visible(i, now)]
-        return rows.list_page(visible, [self.row(i, now) for i in visible], params)
+        return rows.list_page(visible, lambda i: self.row(i, now), params)
 
     def row(self, inst: Instance, now: float) -> dict[str, Any]:
         """The instance as vast.ai's show-instance answers it, now."""

@@ -79,6 +79,10 @@ def test_a_multi_slot_host_gets_a_kv_stream_per_slot_unless_the_profile_asks_for
     assert "-no-kvu" in argv and "-kvu" not in argv and "--kv-unified-per-slot" not in argv
     assert argv.count("--no-cache-idle-slots") == 1
     assert cache_args(settings.profile("tiny")) == []  # one slot: one stream
+    # a stream per slot: no idle slot's state copied into the RAM prompt cache at each launch, its cells on the card
+    assert cache_args(settings.profile("12b")) == ["-no-kvu", "--no-cache-idle-slots"]
+    kept = settings.profile("12b").model_copy(update={"args": [*settings.profile("12b").args, "--cache-idle-slots"]})
+    assert cache_args(kept) == ["-no-kvu"]  # its own idle-slot choice stands
     assert cache_args(a4b.model_copy(update={"args": [*a4b.args, "-no-kvu"]})) == []  # its own word stands
     # a profile that says -kvu gets each slot held to its planned context and keeps its idle calls on the card
     said = a4b.model_copy(update={"args": [a for a in a4b.args if a != "--no-cache-idle-slots"] + ["-kvu"]})
