@@ -94,17 +94,18 @@ async def test_a_slowed_machine_at_the_same_price_ranks_second_once_measured(clo
             assert set(hosts) == {a.machine_id, b.machine_id}
             before = [o.machine_id for o, _ in fleet.rank(tiny, pair)]
             slowed, other = hosts[before[0]], hosts[before[1]]  # slow the one that ranks first
-            sag_soon(cloud, slowed.instance_id, delay_s=0.0, ramp_s=0.1, share=0.8)
-            # the target: a third of the one-caller decode rate the healthy host shows (the slowed one keeps a
-            # fifth); its best of three, as a busy machine only ever lowers a rate. Replies of 256 tokens decode
+            sag_soon(cloud, slowed.instance_id, delay_s=0.0, ramp_s=0.1, share=0.9)
+            # the target: a fifth of the one-caller decode rate the healthy host shows (the slowed one keeps a
+            # tenth); its best of three, as a busy machine only ever lowers a rate. Replies of 256 tokens decode
             # over several of the sag's 100 ms periods: one of 64 could fall mostly in a running spell (CI once
-            # read the slowed host at 2 callers above a third)
+            # read the slowed host at 2 callers above a third). A third was too near the healthy host's two
+            # callers beside a CPU hog (0.33 of its best single rate, run 23)
             rates = []
             for _ in range(3):
                 probe = await fleet.bench(other.name, max_callers=1, waves=1, warmup=0, max_tokens=256, load="speakers")
                 rates.append(probe.levels[0].decode_per_caller_tok_s)
             rate = max(rates)
-            target = tiny.voice.model_copy(update={"first_content_p95_ms": 5000, "decode_tok_s": rate / 3})
+            target = tiny.voice.model_copy(update={"first_content_p95_ms": 5000, "decode_tok_s": rate / 5})
             fleet.settings = fleet.settings.model_copy(
                 update={"models": {**fleet.settings.models, "tiny": tiny.model_copy(update={"voice": target})}}
             )
