@@ -274,7 +274,7 @@ def build_app(cloud: Cloud, hub: Hub) -> web.Application:
         return json_response(cloud.extend_contract(_int_param(request, "id"), float(end)))
 
     async def admin_stats(request: web.Request) -> web.Response:
-        return json_response({"rate_limited": cloud.limiter.refused, "state_writes": cloud.writer.writes})
+        return json_response({"rate_limited": cloud.limiter.refused})
 
     def both(method: str, path: str, handler: Handler) -> None:
         r.add_route(method, path, handler)

@@ -60,7 +60,7 @@ BALANCE_PERIOD_S = 0.1  # a running instance's watch period (boot.py), at which 
 class Balance:
     """The account's credit, summed over its charges at most once a BALANCE_PERIOD_S: each running instance's
     watch asks for it every period, and each row of a listing; summed each time, that grew with hosts times
-    charges (at 1,000 hosts, a listing summed seven million charges). `changed` sums it again at the next ask."""
+    charges (at 1,000 hosts, a listing summed seven million charges)."""
 
     def __init__(self, charges: list[Charge]) -> None:
         self.charges = charges
@@ -72,9 +72,6 @@ class Balance:
         if self._last is None or now - self._last[0] >= BALANCE_PERIOD_S or self._last[1] != starting_usd:
             self._last = (now, starting_usd, credit(self.charges, time.time(), starting_usd))
         return self._last[2]
-
-    def changed(self) -> None:
-        self._last = None
 
     def traffic(self, instance_id: int) -> Charge | None:
         """The instance's bandwidth charge, found once: every piece its forwarders relay adds to it."""

@@ -391,5 +391,5 @@ class Cloud(Power, SshKeys):
         await asyncio.get_running_loop().shutdown_default_executor()
         for inst in self.state.instances.values():
             self.host_for(inst).shut_down()
-        self.writer.mark()
+        self.save()
         self.writer.flush()

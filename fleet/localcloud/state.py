@@ -111,7 +111,6 @@ class StateWriter:
 
     def __init__(self, path: Path, state: State) -> None:
         self.path, self.state = path, state
-        self.writes = 0
         self._pending: asyncio.TimerHandle | None = None
         self._dirty = False
 
@@ -132,7 +131,6 @@ class StateWriter:
         if self._dirty:
             self._dirty = False
             save_state(self.path, self.state)
-            self.writes += 1
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
