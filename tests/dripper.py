@@ -16,6 +16,13 @@ DRIP_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Len
 FLOOD_BYTES = 64 << 20
 
 
+def write_count(count_file: Path, sent: int) -> None:
+    """Replaces the file whole: a reader between a truncation and the write would read nothing (run 24)."""
+    partial = count_file.with_suffix(".partial")
+    partial.write_text(str(sent))
+    partial.replace(count_file)
+
+
 async def main(mode: str, address: str, port: int, key: str, cert: str, count_file: Path) -> None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
@@ -30,7 +37,7 @@ async def main(mode: str, address: str, port: int, key: str, cert: str, count_fi
                     writer.write(bytes([byte]))
                     await writer.drain()
                     sent += 1
-                    count_file.write_text(str(sent))
+                    write_count(count_file, sent)
                     await asyncio.sleep(0.5)
             else:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
@@ -42,7 +49,7 @@ async def main(mode: str, address: str, port: int, key: str, cert: str, count_fi
                     writer.write(chunk)
                     await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
-            count_file.write_text(str(sent))
+            write_count(count_file, sent)
         finally:
             writer.close()
 
