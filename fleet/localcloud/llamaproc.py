@@ -7,7 +7,7 @@ import signal
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +49,9 @@ def serving(
     timeout_s: float = 20.0,
     tls: ssl.SSLContext | None = None,
     log: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Served]:
-    """llama_server's process, with its PID beside the URL."""
+    """llama_server's process, with its PID beside the URL; `env`: variables set for it beside ours."""
     port = free_port()
     with log.open("w") if log else open(os.devnull, "w") as out:
         process = subprocess.Popen(
@@ -58,6 +59,7 @@ def serving(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
     base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
