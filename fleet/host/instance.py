@@ -3,6 +3,7 @@ to run (or to stop), and taking the price the instance really costs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from datetime import datetime
@@ -67,12 +68,28 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
     limit = getattr(timeouts, bound) + (0.0 if resuming else image_pull_s(host, timeouts))
     deadline = started + limit
     seen = False
+    status: str | None = None  # the instance's status at the last listing that showed it
     lost_since: float | None = None
     generation = 0
+
+    def overdue() -> PhaseFailed:
+        if not seen:
+            return PhaseFailed(
+                "boot", f"not listed {timeouts.instance_visible:g}s after create (timeouts.instance_visible)"
+            )
+        pull = "" if limit == getattr(timeouts, bound) else ", with the image's pull at the listed link"
+        return PhaseFailed("boot", f"still {status or 'provisioning'} after {limit:.0f}s (timeouts.{bound}{pull})")
+
     async with ctx.watch.watching(host.instance_id):
         while True:
-            async with ctx.waits.on("market"):
-                snapshot = await ctx.watch.next(generation)
+            # the deadline is kept while the next listing is awaited: on a slow or rate-limited marketplace the
+            # listing may come after the phase's own backstop, which says only that the phase ran out of time
+            wait_until = deadline if seen else started + timeouts.instance_visible
+            try:
+                async with ctx.waits.on("market"), asyncio.timeout(max(0.0, wait_until - time.monotonic())):
+                    snapshot = await ctx.watch.next(generation)
+            except TimeoutError:
+                raise overdue() from None
             generation = snapshot.generation
             now = time.monotonic()
             instance = snapshot.instances.get(host.instance_id)
@@ -80,10 +97,9 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
                 if seen:
                     raise PhaseFailed("boot", "the instance disappeared while booting")
                 if now - started > timeouts.instance_visible:
-                    raise PhaseFailed(
-                        "boot", f"not listed {timeouts.instance_visible:g}s after create (timeouts.instance_visible)"
-                    )
+                    raise overdue()
                 continue
+            status = instance.status
             if not seen:
                 seen = True
                 take_instance_price(ctx, host, instance)
@@ -120,10 +136,7 @@ async def wait_running(ctx: Context, host: Host, resuming: bool = False) -> Inst
             else:
                 lost_since = None
             if now >= deadline:
-                pull = "" if limit == getattr(timeouts, bound) else ", with the image's pull at the listed link"
-                raise PhaseFailed(
-                    "boot", f"still {instance.status or 'provisioning'} after {limit:.0f}s (timeouts.{bound}{pull})"
-                )
+                raise overdue()
 
 
 def take_instance_price(ctx: Context, host: Host, instance: Instance) -> None:
