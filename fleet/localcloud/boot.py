@@ -17,6 +17,7 @@ from fleet.localcloud.billing import Charge
 from fleet.localcloud.faults import Faults
 from fleet.localcloud.hosts import HostError, LocalHost
 from fleet.localcloud.instances import Instance
+from fleet.localcloud.sag import DutyCycle
 from fleet.localcloud.simboot import SimulatedLocalHost
 from fleet.localcloud.state import CloudSettings, State
 from fleet.localcloud.steps import StepsInFlight
@@ -24,7 +25,6 @@ from fleet.localcloud.steps import StepsInFlight
 log = logging.getLogger("fleet.localcloud")
 
 MAPPING_TRIES = 5  # fresh external ports for a container whose picked ones were taken meanwhile
-SAG_MAKEUP_S = 1.0  # the longest stop a decode sag adds to make up for a late event loop
 
 
 class Booting:
@@ -297,70 +297,73 @@ class Booting:
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
         period = 0.1
-        owed = 0.0  # the stopped time a decode sag still owes
-        while inst.id in self.state.instances and inst.status == "running":
-            running_for = time.time() - (inst.running_at or time.time())
-            ended = self._platform_stop_reason(inst)
-            if ended:
-                # vast.ai stops it, not destroys it: "Whenever your credit balance hits zero or below, your
-                # instances will be stopped automatically"; "When the rental end date is reached, the rental
-                # contract expires and the instance is stopped"
-                inst.intended_status = "stopped"
-                inst.expired = inst.expired or ended == "expired"
-                await self._stop(inst)
-                inst.status_msg = f"Instance stopped: {ended}"
-                self.save()
-                return
-            exit_after = self.faults.exit_after_s.get(inst.machine_id)
-            if exit_after is not None and running_for >= exit_after:
-                await asyncio.to_thread(self.host_for(inst).stop)
-                await self._network(inst).stop()
-                self._set_status(inst, "exited", "container exited unexpectedly")
-                return
-            vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
-            if vanish_after is not None and running_for >= vanish_after:
-                # the machine is gone with everything on it: its processes (the unmount of its disk among them)
-                # end before show stops finding it
-                await asyncio.to_thread(self.host_for(inst).shut_down)
-                await self._network(inst).stop()
-                await self._forget(inst.id)
-                return
-            window = self.faults.maintenances.get(inst.machine_id)
-            if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
-                # the announced maintenance: the machine goes down, and everything on it with it
-                await self._network(inst).stop()
-                self._go_offline(inst, "machine in scheduled maintenance")
-                return
-            offline_after = self.faults.offline_after_s.get(inst.machine_id)
-            if offline_after is not None and running_for >= offline_after:
-                # the host's network is gone (its processes run on, unreachable): every connection drops
-                await self._network(inst).stop()
-                self._go_offline(inst, "host is offline")
-                return
-            if inst.machine_id in self.faults.host_key_change:
-                self.faults.host_key_change.remove(inst.machine_id)
-                await asyncio.to_thread(self.host_for(inst).new_host_key)
-            if inst.machine_id in self.faults.address_change:
-                self.faults.address_change.remove(inst.machine_id)
-                await self._move_address(inst)
-            sag = self.faults.decode_sag.get(inst.machine_id)
-            share = sag.stop_share(running_for) if sag else 0.0
-            if share > 0:
-                # stopped for `share` of the wall clock, however late a busy event loop wakes: a running spell
-                # that overslept is made up by the next stop, up to SAG_MAKEUP_S. One period's worth was too
-                # little: a spell late by half a second kept a 0.8 sag to 0.18 s stopped in 0.68 (a thermal test
-                # on a loaded machine once read its sagging host at 1.38 of its cold rate)
-                pids = _llama_server_pids(inst.token)
-                began = time.monotonic()
-                procs.pause(pids)
-                await asyncio.sleep(period * share + owed)
-                procs.resume(pids)
-                stopped = time.monotonic() - began
-                await asyncio.sleep(period * (1 - share))
-                owed = min(SAG_MAKEUP_S, max(0.0, owed + share * (time.monotonic() - began) - stopped))
-            else:
-                owed = 0.0
+        cycle: DutyCycle | None = None  # the decode sag, while one acts
+
+        def end_sag() -> None:  # before the host's processes are ended: they end running, not stopped mid-sag
+            nonlocal cycle
+            if cycle is not None:
+                cycle.stop()
+                cycle = None
+
+        try:
+            while inst.id in self.state.instances and inst.status == "running":
+                running_for = time.time() - (inst.running_at or time.time())
+                ended = self._platform_stop_reason(inst)
+                if ended:
+                    # vast.ai stops it, not destroys it: "Whenever your credit balance hits zero or below, your
+                    # instances will be stopped automatically"; "When the rental end date is reached, the rental
+                    # contract expires and the instance is stopped"
+                    inst.intended_status = "stopped"
+                    inst.expired = inst.expired or ended == "expired"
+                    end_sag()
+                    await self._stop(inst)
+                    inst.status_msg = f"Instance stopped: {ended}"
+                    self.save()
+                    return
+                exit_after = self.faults.exit_after_s.get(inst.machine_id)
+                if exit_after is not None and running_for >= exit_after:
+                    end_sag()
+                    await asyncio.to_thread(self.host_for(inst).stop)
+                    await self._network(inst).stop()
+                    self._set_status(inst, "exited", "container exited unexpectedly")
+                    return
+                vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
+                if vanish_after is not None and running_for >= vanish_after:
+                    # the machine is gone with everything on it: its processes (the unmount of its disk among them)
+                    # end before show stops finding it
+                    end_sag()
+                    await asyncio.to_thread(self.host_for(inst).shut_down)
+                    await self._network(inst).stop()
+                    await self._forget(inst.id)
+                    return
+                window = self.faults.maintenances.get(inst.machine_id)
+                if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
+                    # the announced maintenance: the machine goes down, and everything on it with it
+                    await self._network(inst).stop()
+                    self._go_offline(inst, "machine in scheduled maintenance")
+                    return
+                offline_after = self.faults.offline_after_s.get(inst.machine_id)
+                if offline_after is not None and running_for >= offline_after:
+                    # the host's network is gone (its processes run on, unreachable): every connection drops
+                    await self._network(inst).stop()
+                    self._go_offline(inst, "host is offline")
+                    return
+                if inst.machine_id in self.faults.host_key_change:
+                    self.faults.host_key_change.remove(inst.machine_id)
+                    await asyncio.to_thread(self.host_for(inst).new_host_key)
+                if inst.machine_id in self.faults.address_change:
+                    self.faults.address_change.remove(inst.machine_id)
+                    await self._move_address(inst)
+                sag = self.faults.decode_sag.get(inst.machine_id)
+                share = sag.stop_share(running_for) if sag else 0.0
+                if share > 0:
+                    cycle = cycle or DutyCycle(period)
+                    cycle.set(_llama_server_pids(inst.token), share)
+                else:
+                    end_sag()
                 await asyncio.sleep(period)
+        finally:
+            end_sag()
 
 
 # The compressed size of each of fleet's images as built (CUDA's runtime and cuDNN under llama-server; vLLM's own
