@@ -1,12 +1,17 @@
 """Each fault the local cloud offers on demand, shown to happen."""
 
 import asyncio
+import os
 import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from fleet.localcloud.sag import DutyCycle
 from tests.helpers import (
     SERVICE_PORT,
     cheapest_offer,
@@ -177,3 +182,35 @@ async def test_faults_file_is_read_at_start(tmp_path, llama_server):
             assert (await c.get("/api/v1/instances/")).status_code == 200
     finally:
         control.stop(state)
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_decode_sag_holds_while_the_thread_that_set_it_is_held_up():
+    """Run 27: the sag's stops ran on the cloud's event loop, and while that loop was held up the host ran
+    unstopped (a thermal sample read a sagging host at full speed). The duty cycle now runs on a thread of its
+    own: here the thread that set it sleeps through the whole window, as a stalled loop would, and the sagged
+    process still gets a fraction of the CPU that the same process unsagged gets beside it."""
+    busy = [sys.executable, "-c", "while True: pass"]
+    with subprocess.Popen(busy) as sagged, subprocess.Popen(busy) as free:
+        cycle = DutyCycle(0.1)
+        try:
+            cycle.set([sagged.pid], 0.8)
+            before = _cpu_s(sagged.pid), _cpu_s(free.pid)
+            time.sleep(3.0)  # nothing of this thread runs meanwhile
+            used = _cpu_s(sagged.pid) - before[0], _cpu_s(free.pid) - before[1]
+        finally:
+            cycle.stop()
+            stopped = _stat(sagged.pid)[0] == "T"
+            sagged.kill()
+            free.kill()
+    assert not stopped, "the cycle's end left the process stopped"
+    # stopped 80% of the time: a fifth of its neighbour's CPU, however busy the machine; half is far from both
+    assert used[1] > 0 and used[0] < 0.5 * used[1], used
