@@ -25,6 +25,7 @@ from fleet.localcloud.steps import StepsInFlight
 log = logging.getLogger("fleet.localcloud")
 
 MAPPING_TRIES = 5  # fresh external ports for a container whose picked ones were taken meanwhile
+WATCH_PERIOD_S = 0.1  # a running instance's faults are looked at this often
 
 
 class Booting:
@@ -296,74 +297,70 @@ class Booting:
 
     async def _watch(self, inst: Instance) -> None:
         """Apply the host faults that act on a running instance: exit, disappear, decode sag."""
-        period = 0.1
-        cycle: DutyCycle | None = None  # the decode sag, while one acts
-
-        def end_sag() -> None:  # before the host's processes are ended: they end running, not stopped mid-sag
-            nonlocal cycle
-            if cycle is not None:
-                cycle.stop()
-                cycle = None
-
+        sag = DutyCycle(period_s=WATCH_PERIOD_S)
         try:
-            while inst.id in self.state.instances and inst.status == "running":
-                running_for = time.time() - (inst.running_at or time.time())
-                ended = self._platform_stop_reason(inst)
-                if ended:
-                    # vast.ai stops it, not destroys it: "Whenever your credit balance hits zero or below, your
-                    # instances will be stopped automatically"; "When the rental end date is reached, the rental
-                    # contract expires and the instance is stopped"
-                    inst.intended_status = "stopped"
-                    inst.expired = inst.expired or ended == "expired"
-                    end_sag()
-                    await self._stop(inst)
-                    inst.status_msg = f"Instance stopped: {ended}"
-                    self.save()
-                    return
-                exit_after = self.faults.exit_after_s.get(inst.machine_id)
-                if exit_after is not None and running_for >= exit_after:
-                    end_sag()
-                    await asyncio.to_thread(self.host_for(inst).stop)
-                    await self._network(inst).stop()
-                    self._set_status(inst, "exited", "container exited unexpectedly")
-                    return
-                vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
-                if vanish_after is not None and running_for >= vanish_after:
-                    # the machine is gone with everything on it: its processes (the unmount of its disk among them)
-                    # end before show stops finding it
-                    end_sag()
-                    await asyncio.to_thread(self.host_for(inst).shut_down)
-                    await self._network(inst).stop()
-                    await self._forget(inst.id)
-                    return
-                window = self.faults.maintenances.get(inst.machine_id)
-                if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
-                    # the announced maintenance: the machine goes down, and everything on it with it
-                    await self._network(inst).stop()
-                    self._go_offline(inst, "machine in scheduled maintenance")
-                    return
-                offline_after = self.faults.offline_after_s.get(inst.machine_id)
-                if offline_after is not None and running_for >= offline_after:
-                    # the host's network is gone (its processes run on, unreachable): every connection drops
-                    await self._network(inst).stop()
-                    self._go_offline(inst, "host is offline")
-                    return
-                if inst.machine_id in self.faults.host_key_change:
-                    self.faults.host_key_change.remove(inst.machine_id)
-                    await asyncio.to_thread(self.host_for(inst).new_host_key)
-                if inst.machine_id in self.faults.address_change:
-                    self.faults.address_change.remove(inst.machine_id)
-                    await self._move_address(inst)
-                sag = self.faults.decode_sag.get(inst.machine_id)
-                share = sag.stop_share(running_for) if sag else 0.0
-                if share > 0:
-                    cycle = cycle or DutyCycle(period)
-                    cycle.set(_llama_server_pids(inst.token), share)
-                else:
-                    end_sag()
-                await asyncio.sleep(period)
+            await self._apply_faults(inst, sag)
         finally:
-            end_sag()
+            sag.stop()
+
+    async def _apply_faults(self, inst: Instance, sag: DutyCycle) -> None:
+        """The watch's loop; the host's processes are ended only once the decode sag has let them run."""
+        period = WATCH_PERIOD_S
+        while inst.id in self.state.instances and inst.status == "running":
+            running_for = time.time() - (inst.running_at or time.time())
+            ended = self._platform_stop_reason(inst)
+            if ended:
+                # vast.ai stops it, not destroys it: "Whenever your credit balance hits zero or below, your
+                # instances will be stopped automatically"; "When the rental end date is reached, the rental
+                # contract expires and the instance is stopped"
+                inst.intended_status = "stopped"
+                inst.expired = inst.expired or ended == "expired"
+                sag.stop()
+                await self._stop(inst)
+                inst.status_msg = f"Instance stopped: {ended}"
+                self.save()
+                return
+            exit_after = self.faults.exit_after_s.get(inst.machine_id)
+            if exit_after is not None and running_for >= exit_after:
+                sag.stop()
+                await asyncio.to_thread(self.host_for(inst).stop)
+                await self._network(inst).stop()
+                self._set_status(inst, "exited", "container exited unexpectedly")
+                return
+            vanish_after = self.faults.disappear_after_s.get(inst.machine_id)
+            if vanish_after is not None and running_for >= vanish_after:
+                # the machine is gone with everything on it: its processes (the unmount of its disk among them)
+                # end before show stops finding it
+                sag.stop()
+                await asyncio.to_thread(self.host_for(inst).shut_down)
+                await self._network(inst).stop()
+                await self._forget(inst.id)
+                return
+            window = self.faults.maintenances.get(inst.machine_id)
+            if window is not None and window[0] <= time.time() < window[0] + window[1] * 3600:
+                # the announced maintenance: the machine goes down, and everything on it with it
+                await self._network(inst).stop()
+                self._go_offline(inst, "machine in scheduled maintenance")
+                return
+            offline_after = self.faults.offline_after_s.get(inst.machine_id)
+            if offline_after is not None and running_for >= offline_after:
+                # the host's network is gone (its processes run on, unreachable): every connection drops
+                await self._network(inst).stop()
+                self._go_offline(inst, "host is offline")
+                return
+            if inst.machine_id in self.faults.host_key_change:
+                self.faults.host_key_change.remove(inst.machine_id)
+                await asyncio.to_thread(self.host_for(inst).new_host_key)
+            if inst.machine_id in self.faults.address_change:
+                self.faults.address_change.remove(inst.machine_id)
+                await self._move_address(inst)
+            hot = self.faults.decode_sag.get(inst.machine_id)
+            share = hot.stop_share(running_for) if hot else 0.0
+            if share > 0:
+                sag.set(_llama_server_pids(inst.token), share)
+            else:
+                sag.stop()
+            await asyncio.sleep(period)
 
 
 # The compressed size of each of fleet's images as built (CUDA's runtime and cuDNN under llama-server; vLLM's own

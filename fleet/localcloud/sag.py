@@ -14,8 +14,8 @@ MAKEUP_S = 1.0  # the longest stop added to make up for a late wakeup
 
 
 class DutyCycle:
-    """Stops `pids` for `share` of each period until `stop`. The loop that knows the share and the host's
-    processes updates them with `set`; the cycle itself never waits for that loop."""
+    """Stops `pids` for `share` of each period, from the first `set` until `stop`. The loop that knows the share
+    and the host's processes updates them with `set`; the cycle itself never waits for that loop."""
 
     def __init__(self, period_s: float) -> None:
         self._period_s = period_s
@@ -23,17 +23,22 @@ class DutyCycle:
         self._pids: list[int] = []
         self._share = 0.0
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="decode-sag", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def set(self, pids: list[int], share: float) -> None:
         with self._lock:
             self._pids, self._share = list(pids), share
+        if self._thread is None:
+            self._done.clear()
+            self._thread = threading.Thread(target=self._run, name="decode-sag", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
-        """Ends the cycle with every process running."""
-        self._done.set()
-        self._thread.join()
+        """Ends the cycle, if one runs, with every process running; a later `set` starts it again."""
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            self._thread = None
 
     def _run(self) -> None:
         owed = 0.0  # the stopped time a late wakeup still owes
