@@ -25,7 +25,7 @@ and the decode share two cores, so the shares say little; the ratio between the 
 changes.
 
 Usage: .venv/bin/python bench/server_decode.py [--streams 1,8,32,64] [--tokens 48] [--threads 2]
-       [--beside 'FLAGS'] [--stacks N] [--json FILE]
+       [--beside 'FLAGS'] [--stacks N | --perf SECONDS] [--json FILE]
 Builds what is missing (scripts/build-llama-server builds llama-batched-bench beside llama-server). On a card
 (bench/gpu/run streams): --model-file GGUF --flags '-ngl 99 -fa on' --bin-dir the CUDA build's bin.
 """
@@ -196,14 +196,15 @@ def measure(bin_dir: Path, name: str, model: Path, n_vocab: int, args: argparse.
                 f"  {name} at {n} streams: {rows[-1].top_k_first:.0f} / {rows[-1].whole_vocab:.0f} tok/s",
                 file=sys.stderr,
             )
-        if args.stacks:
+        if args.stacks or args.perf:
             print(f"{name}: where the server's thread is at {most} streams, top-k first\n", file=sys.stderr)
-            print(busy_stacks(url, most, args.tokens, args.stacks).table(), file=sys.stderr)
+            print(busy_stacks(url, most, args.tokens, args.stacks, args.perf).table(), file=sys.stderr)
     return rows
 
 
-def busy_stacks(url: str, streams: int, tokens: int, samples: int) -> stacks.Profile:
-    """The server's main thread sampled (bench/stacks.py) while `streams` requests at a time keep it busy."""
+def busy_stacks(url: str, streams: int, tokens: int, samples: int, perf_s: float = 0) -> stacks.Profile:
+    """The server's main thread sampled (bench/stacks.py), by perf for `perf_s` seconds if given, else `samples`
+    times by a debugger, while `streams` requests at a time keep it busy."""
     server = next(p for p in Path("/proc").iterdir() if p.name.isdigit() and _child_server(p))
     done = threading.Event()
 
@@ -215,6 +216,8 @@ def busy_stacks(url: str, streams: int, tokens: int, samples: int) -> stacks.Pro
     load.start()
     try:
         time.sleep(1.0)
+        if perf_s:
+            return stacks.perf_sample(int(server.name), perf_s)
         return stacks.sample(int(server.name), samples)
     finally:
         done.set()
@@ -283,6 +286,9 @@ def main() -> None:
         type=int,
         default=0,
         help="then sample the server's thread this many times at the most streams (gdb or cuda-gdb)",
+    )
+    parser.add_argument(
+        "--perf", type=float, default=0, help="then sample the server's thread with perf for this many seconds instead"
     )
     args = parser.parse_args()
     bin_dir = args.bin_dir or build()

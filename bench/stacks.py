@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Where a running process's main thread spends its time, by sampling its stack: a debugger attaches at random
-moments, prints thread 1's backtrace and leaves. A sampling profiler for machines without perf (the GPU
-machines have cuda-gdb and no perf or gdb): each attach stops the process for a fraction of a second, which
-moves when the next step runs but not where a random moment finds the thread.
+"""Where a running process's main thread spends its time, by sampling its stack, two ways:
+- perf (`--perf SECONDS`): the thread's stacks at a fixed rate while it runs on a CPU, unwound from each sample's
+  copy of the stack (DWARF: llama.cpp's builds keep no frame pointers). The process is never stopped. It counts
+  time on a CPU only: a thread asleep in a wait is not sampled, so the table also gives how much of the wall
+  time the thread ran. bench/gpu/pack carries Debian's perf to the GPU machines.
+- a debugger: attaches at random moments, prints thread 1's backtrace and leaves (gdb, or cuda-gdb where that
+  is all there is). Each attach stops the process for a fraction of a second, which moves when the next step
+  runs but not where a random moment finds the thread; on a busy server the pauses can make it drop a client.
 
 Prints, for the functions seen most, the share of samples whose stack holds them (inclusive) and the share where
 they are the innermost frame (exclusive).
 
-Usage: python bench/stacks.py PID [--samples 40] [--depth 40]
+Usage: python bench/stacks.py PID [--samples 40] [--depth 40] [--perf SECONDS]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import random
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,9 +43,11 @@ class Profile:
     samples: int
     inclusive: Counter[str]
     exclusive: Counter[str]
+    on_cpu: float | None = None  # perf: the share of the wall time the thread ran (its samples against the rate's)
 
     def table(self, rows: int = 30) -> str:
-        lines = [f"{self.samples} samples of the main thread's stack", "",
+        ran = f", on a CPU {self.on_cpu:.0%} of the time (perf)" if self.on_cpu is not None else ""
+        lines = [f"{self.samples} samples of the main thread's stack{ran}", "",
                  "| function | in the stack | innermost |", "| --- | ---: | ---: |"]  # fmt: skip
         for name, n in self.inclusive.most_common(rows):
             lines.append(f"| `{name}` | {n / self.samples:.0%} | {self.exclusive[name] / self.samples:.0%} |")
@@ -109,13 +116,51 @@ def sample(pid: int, samples: int, depth: int = 40, budget_s: float = 90.0) -> P
     return Profile(taken, inclusive, exclusive)
 
 
+PERF_RATE = 499  # samples a second: not a multiple of a step's likely period
+
+
+def perf_sample(pid: int, seconds: float) -> Profile:
+    """The main thread (its id is the process's) sampled by perf for `seconds` while it runs."""
+    perf = shutil.which("perf")
+    if perf is None:
+        raise SystemExit("stacks: perf is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = f"{tmp}/perf.data"
+        record = [perf, "record", "-q", "-F", str(PERF_RATE), "--call-graph", "dwarf,32768", "-t", str(pid), "-o", data,
+                  "--", "sleep", str(seconds)]  # fmt: skip
+        if (done := subprocess.run(record, capture_output=True, text=True, check=False)).returncode != 0:
+            raise SystemExit(f"stacks: perf record failed: {done.stderr.strip()[-500:]}")
+        script = subprocess.run([perf, "script", "-i", data, "-F", "tid,ip,sym"], capture_output=True, text=True)
+    profile = stacks_of(script.stdout)
+    profile.on_cpu = profile.samples / (PERF_RATE * seconds)
+    return profile
+
+
+def stacks_of(perf_script: str) -> Profile:
+    """`perf script -F tid,ip,sym` output: a sample's line, then a line per frame (address, function), innermost
+    first, then a blank line."""
+    inclusive: Counter[str] = Counter()
+    exclusive: Counter[str] = Counter()
+    samples = 0
+    for block in perf_script.split("\n\n"):
+        frames = [short(parts[1]) for line in block.splitlines()[1:] if len(parts := line.split(None, 1)) == 2]
+        frames = [f for f in frames if f != "[unknown]"]
+        if not frames:
+            continue
+        samples += 1
+        exclusive[frames[0]] += 1
+        inclusive.update(set(frames))
+    return Profile(samples, inclusive, exclusive)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("pid", type=int)
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--depth", type=int, default=40)
+    parser.add_argument("--perf", type=float, default=0, help="sample with perf for this many seconds instead")
     args = parser.parse_args()
-    print(sample(args.pid, args.samples, args.depth).table())
+    print((perf_sample(args.pid, args.perf) if args.perf else sample(args.pid, args.samples, args.depth)).table())
 
 
 if __name__ == "__main__":

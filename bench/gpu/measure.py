@@ -440,6 +440,7 @@ def streams(only: list[str]) -> None:
                 "--bin-dir", str(Path(os.environ["FLEET_LLAMA_SERVER"]).parent), "--threads", "8",
                 "--streams", os.environ.get("STREAMS", "1,8,16,32,64"), "--tokens", "80",
                 "--repeats", os.environ.get("STREAM_REPEATS", "1"), "--stacks", os.environ.get("STREAM_STACKS", "0"),
+                "--perf", os.environ.get("STREAM_PERF", "0"),
                 *([f"--beside={os.environ['STREAM_BESIDE']}"] if os.environ.get("STREAM_BESIDE") else []),
                 *(["--beside-bin", os.environ["STREAM_BESIDE_BIN"]] if os.environ.get("STREAM_BESIDE_BIN") else []),
                 f"--server-flags={os.environ.get('STREAM_SERVER_FLAGS', '')}",  # empty: llama-server's defaults
