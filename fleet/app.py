@@ -14,6 +14,7 @@ import fleet.control.destroy
 import fleet.control.gateway
 import fleet.control.offers
 import fleet.control.reconcile
+import fleet.control.sizing
 import fleet.control.status
 import fleet.control.up
 import fleet.host.endpoints
@@ -101,7 +102,8 @@ class Fleet(Context):
         return fleet.control.status.machines(self)
 
     def session(self, since: datetime) -> Session:
-        return fleet.control.status.session(self, since)
+        sizings = [fleet.control.sizing.observe(self, target) for target in self.settings.serve]
+        return fleet.control.status.session(self, since, sizings)
 
     async def reconcile(self) -> dict[str, Any]:
         return await fleet.control.reconcile.reconcile(self)

@@ -118,8 +118,9 @@ def report_cmd(
     json_output: JsonFlag = False,
     config_path: ConfigPath = None,
 ) -> None:
-    """The benchmark session report: one self-contained HTML page (first content and decode against
-    callers, the thermal series, the cost over time) and a markdown summary per host."""
+    """The report: one self-contained HTML page and a markdown summary. First the whole fleet at a glance (hosts
+    by region and state, each serve target's calls and cost, failures by machine), then the session's hosts
+    (first content and decode against callers, the thermal series, the cost over time)."""
     settings = load_settings(config_path)
     now = utcnow()
     try:
@@ -145,6 +146,7 @@ def report_cmd(
                 "markdown": str(target / "report.md"),
                 "hosts": report.rows(session),
                 "total_usd": session.bill.total_usd,
+                "glance": session.glance.as_dict() if session.glance else None,
             }
         )
         return

@@ -8,7 +8,9 @@ from typing import Any
 
 from fleet.context import Context
 from fleet.core.models import LIVE_STATES, POOL, Host, as_utc, utcnow
+from fleet.economics import glance
 from fleet.economics.bill import accrued_usd
+from fleet.economics.glance import TargetSizing
 from fleet.economics.machines import MachineRecord, remember
 from fleet.economics.report import Session, gather
 
@@ -70,8 +72,12 @@ def machines(ctx: Context) -> list[MachineRecord]:
     return remember(*ctx.record.machine_rows())
 
 
-def session(ctx: Context, since: datetime) -> Session:
-    """What the report shows: the hosts created since `since` and what fleet measured on them."""
+def session(ctx: Context, since: datetime, sizings: list[TargetSizing]) -> Session:
+    """What the report shows: the whole fleet at a glance (with each serve target's `sizings`), then the hosts
+    created since `since` and what fleet measured on them."""
     hosts, probe_runs, bench_runs, _ = ctx.record.machine_rows()
     engines = {name: profile.engine for name, profile in ctx.settings.models.items()}
-    return gather(hosts, probe_runs, bench_runs, since, utcnow(), engines)
+    now = utcnow()
+    made = gather(hosts, probe_runs, bench_runs, since, now, engines)
+    made.glance = glance.gather(hosts, probe_runs, sizings, since, now)
+    return made

@@ -1,5 +1,6 @@
-"""The benchmark session report: one self-contained HTML page with the plots people look at rather than
-read, and a markdown summary beside it.
+"""The report: one self-contained HTML page with the plots people look at rather than read, and a markdown
+summary beside it. First the whole fleet at a glance (economics/glance.py: counts that read the same at 8 hosts
+or 1,000), then the benchmark session: the hosts created in the window.
 
 Plots (PNG, inlined as data URIs, so the page is one file that opens anywhere): first-content p50/p95
 and per-caller decode against concurrent callers, one line per host (each host's latest bench), each named
@@ -25,6 +26,7 @@ from typing import Any
 
 from fleet.core.errors import BadInput
 from fleet.core.models import BenchRun, Host, ProbeRun, as_utc
+from fleet.economics import glance as fleet_glance
 from fleet.economics.bill import Bill, bill
 
 
@@ -43,6 +45,7 @@ class Session:
     until: datetime
     hosts: list[HostReport]
     bill: Bill
+    glance: fleet_glance.Glance | None = None  # the whole fleet's counts, first on the page
 
 
 def parse_since(text: str, now: datetime) -> datetime:
@@ -130,6 +133,10 @@ def _money(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"${value:.{digits}f}"
 
 
+def title(session: Session) -> str:
+    return f"fleet report, {session.since:%Y-%m-%d %H:%M} to {session.until:%Y-%m-%d %H:%M} UTC"
+
+
 def markdown(session: Session) -> str:
     table = [
         "| host | engine | GPU | machine | region | $/h | state | probes | calls (speakers) | $/voice-min | "
@@ -145,11 +152,12 @@ def markdown(session: Session) -> str:
         )
     return "\n".join(
         [
-            f"# Benchmark session {session.since:%Y-%m-%d %H:%M} to {session.until:%Y-%m-%d %H:%M} UTC",
+            f"# {title(session)}",
             "",
-            f"{len(session.hosts)} host(s); the session cost {_money(session.bill.total_usd)} "
+            f"{len(session.hosts)} host(s) created in this window cost {_money(session.bill.total_usd)} "
             "(rent, and traffic at the profiles' expected rates).",
             "",
+            *([fleet_glance.markdown(session.glance), "## Hosts of the session", ""] if session.glance else []),
             *table,
             "",
             "Calls (speakers): the most calls in conversation a host held at its profile's voice target, and in "
@@ -169,10 +177,13 @@ def _png(fig: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+LEGEND_LINES = 16  # past this a legend hides the plot: a fleet of hundreds is read from the glance's tables
+
+
 def _dress(*axes: Any) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines and len(ax.lines) <= LEGEND_LINES:
             ax.legend(fontsize=7)
 
 
@@ -265,9 +276,8 @@ def html(session: Session, images: dict[str, str]) -> str:
         f'<figure><figcaption>{e(title)}</figcaption><img alt="{e(title)}" src="{uri}"></figure>'
         for title, uri in images.items()
     )
-    title = f"Benchmark session {session.since:%Y-%m-%d %H:%M} to {session.until:%Y-%m-%d %H:%M} UTC"
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title(session))}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
@@ -277,10 +287,12 @@ figure {{ margin: 1.5em 0; }} figcaption {{ font-weight: 600; margin-bottom: 0.4
 img {{ max-width: 100%; }}
 </style></head>
 <body>
-<h1>{e(title)}</h1>
-<p>{len(session.hosts)} host(s); the session cost <strong>{e(_money(session.bill.total_usd))}</strong>
+<h1>{e(title(session))}</h1>
+<p>{len(session.hosts)} host(s) created in this window cost <strong>{e(_money(session.bill.total_usd))}</strong>
 (rent, and traffic at the profiles' expected rates).</p>
-<table><thead><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr></thead><tbody>{"".join(body)}</tbody></table>
+{fleet_glance.html(session.glance) + "<h2>Hosts of the session</h2>" if session.glance else ""}
+<table id="session-hosts"><thead><tr>{"".join(f"<th>{e(h)}</th>" for h in head)}</tr></thead>
+<tbody>{"".join(body)}</tbody></table>
 {figures}
 </body></html>
 """
