@@ -6,7 +6,8 @@ and fleet's own code runs unchanged against it.
 For each size (hosts brought up to it, each size building on the last): the bring-up's wall time, then a
 health sweep (every host's /health, a short completion and its memory read over SSH) and a reconcile (the
 marketplace's listing against the record), each its wall time, fleet's CPU (this process) and the local
-cloud's CPU (its process, which plays the hosts too), and the record's size. The last columns divide by the
+cloud's CPU (its process, which plays the hosts too), the record's size, and `fleet report`'s page (the fleet
+at a glance, the session's hosts and plots) made from the record. The last columns divide by the
 hosts: a cost that grows linearly keeps its per-host figure flat down the table; one that grows worse does
 not.
 
@@ -43,6 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +53,8 @@ from fleet.control import healthcheck, rotation
 from fleet.control.reconcile import reconcile
 from fleet.control.up import UpRequest
 from fleet.core.config import Rotation
-from fleet.core.models import HostState
+from fleet.core.models import HostState, utcnow
+from fleet.economics import report
 from fleet.localcloud import control
 from fleet.market.pacing import PACES
 from tests.fleetkit import fleet_for, settings_for
@@ -95,6 +98,7 @@ class Row:
     reconcile_calls: dict[str, int]
     listing_s: float  # the sweep's two parts apart, each from a quiet start: the READY hosts' listing
     checks_s: float  # and every host's check on that view
+    report_s: float = 0.0  # `fleet report`'s page (the fleet at a glance first, plots and all), from the record
 
     def listing_share(self) -> float:
         """The listing calls a minute the daemon's shipped beats ask, as a share of what vast.ai allows."""
@@ -170,7 +174,7 @@ async def measure(
                 listing_s, checks_s = await sweep_apart(fleet)
                 rows.append(Row(size, up_s, sweep.wall_s, sweep.fleet_cpu_s, sweep.cloud_cpu_s, settled.wall_s,
                                 settled.fleet_cpu_s, stored, sweep.calls, settled.calls, listing_s,
-                                checks_s))  # fmt: skip
+                                checks_s, report_page(fleet, tmp)))  # fmt: skip
                 print(f"  {size} hosts: up {up_s:.1f} s, sweep {sweep.wall_s:.2f} s, reconcile {settled.wall_s:.2f} s",
                       file=sys.stderr)  # fmt: skip
             names = [h.name for h in fleet.record.open_hosts()]
@@ -226,19 +230,29 @@ async def sweep_apart(fleet) -> tuple[float, float]:
     return listing_s, checks_s
 
 
+def report_page(fleet, tmp: Path) -> float:
+    """The seconds `fleet report` takes from the record to its page and summary written (the CLI's own steps)."""
+    began = time.monotonic()
+    session = fleet.session(utcnow() - timedelta(hours=24))
+    (tmp / "report.md").write_text(report.markdown(session))
+    (tmp / "report.html").write_text(report.html(session, report.plots(session)))
+    return time.monotonic() - began
+
+
 def calls_line(calls: dict[str, int]) -> str:
     return ", ".join(f"{k} {n}" for k, n in sorted(calls.items())) or "none"
 
 
 def table(rows: list[Row], destroyed: Destroyed) -> str:
     lines = ["| hosts | up s (bring-up pace) | sweep s | sweep CPU s (fleet + cloud) | reconcile s | record KiB "
-             "| sweep ms a host | sweep CPU ms a host | reconcile ms a host | record KiB a host |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| report s | sweep ms a host | sweep CPU ms a host | reconcile ms a host | record KiB a host |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         sweep_ms, cpu_ms, reconcile_ms, kib = r.per_host
         lines.append(f"| {r.hosts} | {r.up_s:.1f} | {r.sweep_s:.2f} | {r.sweep_fleet_cpu_s:.2f} + "
-                     f"{r.sweep_cloud_cpu_s:.2f} | {r.reconcile_s:.2f} | {r.record_bytes / 1024:.0f} | {sweep_ms:.1f} "
-                     f"| {cpu_ms:.1f} | {reconcile_ms:.2f} | {kib:.1f} |")  # fmt: skip
+                     f"{r.sweep_cloud_cpu_s:.2f} | {r.reconcile_s:.2f} | {r.record_bytes / 1024:.0f} "
+                     f"| {r.report_s:.2f} | {sweep_ms:.1f} | {cpu_ms:.1f} | {reconcile_ms:.2f} "
+                     f"| {kib:.1f} |")  # fmt: skip
     first, last = rows[0], rows[-1]
     if last.hosts > first.hosts:
         growth = last.hosts / first.hosts
