@@ -237,7 +237,9 @@ HYBRID_LAYERS = ("mamba2", "attention", "mlp", "mamba2")
 
 def _write_nemotron_h(writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int) -> None:
     head_dim = N_EMBD // N_HEAD
-    d_inner, d_state, d_conv, n_group, n_ssm_head = 2 * N_EMBD, 16, 4, 2, 8
+    # d_state is Nemotron-H's own 128: a slot's recurrent state, which a context checkpoint holds, is then 144
+    # KiB, above the mmap threshold tests/engines/test_prompt_cache_reuse.py sets, as a real hybrid's always is
+    d_inner, d_state, d_conv, n_group, n_ssm_head = 2 * N_EMBD, 128, 4, 2, 8
     d_conv_dim = d_inner + 2 * n_group * d_state
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)

@@ -24,6 +24,7 @@ def test_the_series_names_every_patch_and_both_sides_key_the_cache_alike():
         "0005-cache-salt.patch",
         "0006-wake-only-the-waiting-reader.patch",
         "0007-prompt-cache-reuses-dropped-memory.patch",
+        "0008-checkpoints-reuse-dropped-memory.patch",
     ]
     assert sorted(p.name for p in toolchain.PATCHES.glob("*.patch")) == sorted(names)
     for name in names:
