@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # "#3  0x00007f... in server_context_impl::update_slots() () from /x/libllama-server-impl.so" or "#0  func (...)"
 FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(?P<rest>.+)$")
@@ -40,10 +40,16 @@ def frame_name(line: str) -> str | None:
 
 @dataclass
 class Profile:
-    samples: int
-    inclusive: Counter[str]
-    exclusive: Counter[str]
+    samples: int = 0
+    inclusive: Counter[str] = field(default_factory=Counter)
+    exclusive: Counter[str] = field(default_factory=Counter)
     on_cpu: float | None = None  # perf: the share of the wall time the thread ran (its samples against the rate's)
+
+    def count(self, frames: list[str]) -> None:
+        """One sample's stack, innermost frame first."""
+        self.samples += 1
+        self.exclusive[frames[0]] += 1
+        self.inclusive.update(set(frames))
 
     def table(self, rows: int = 30) -> str:
         ran = f", on a CPU {self.on_cpu:.0%} of the time (perf)" if self.on_cpu is not None else ""
@@ -99,21 +105,15 @@ def backtrace(gdb: str, pid: int, depth: int) -> list[str]:
 def sample(pid: int, samples: int, depth: int = 40, budget_s: float = 90.0) -> Profile:
     """Up to `samples` stacks, taken over `budget_s` at most (cuda-gdb may take seconds to attach)."""
     gdb = debugger()
-    inclusive: Counter[str] = Counter()
-    exclusive: Counter[str] = Counter()
-    taken = 0
+    profile = Profile()
     deadline = time.monotonic() + budget_s
     for _ in range(samples):
         if time.monotonic() > deadline:
             break
         time.sleep(random.uniform(0.05, 0.3))  # no rhythm that could lock onto the server's steps
-        frames = [short(name) for name in backtrace(gdb, pid, depth)]
-        if not frames:
-            continue
-        taken += 1
-        exclusive[frames[0]] += 1
-        inclusive.update(set(frames))
-    return Profile(taken, inclusive, exclusive)
+        if frames := [short(name) for name in backtrace(gdb, pid, depth)]:
+            profile.count(frames)
+    return profile
 
 
 PERF_RATE = 499  # samples a second: not a multiple of a step's likely period
@@ -139,18 +139,12 @@ def perf_sample(pid: int, seconds: float) -> Profile:
 def stacks_of(perf_script: str) -> Profile:
     """`perf script -F tid,ip,sym` output: a sample's line, then a line per frame (address, function), innermost
     first, then a blank line."""
-    inclusive: Counter[str] = Counter()
-    exclusive: Counter[str] = Counter()
-    samples = 0
+    profile = Profile()
     for block in perf_script.split("\n\n"):
         frames = [short(parts[1]) for line in block.splitlines()[1:] if len(parts := line.split(None, 1)) == 2]
-        frames = [f for f in frames if f != "[unknown]"]
-        if not frames:
-            continue
-        samples += 1
-        exclusive[frames[0]] += 1
-        inclusive.update(set(frames))
-    return Profile(samples, inclusive, exclusive)
+        if frames := [f for f in frames if f != "[unknown]"]:
+            profile.count(frames)
+    return profile
 
 
 def main() -> None:
