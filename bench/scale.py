@@ -233,9 +233,7 @@ async def sweep_apart(fleet) -> tuple[float, float]:
 def report_page(fleet, tmp: Path) -> float:
     """The seconds `fleet report` takes from the record to its page and summary written (the CLI's own steps)."""
     began = time.monotonic()
-    session = fleet.session(utcnow() - timedelta(hours=24))
-    (tmp / "report.md").write_text(report.markdown(session))
-    (tmp / "report.html").write_text(report.html(session, report.plots(session)))
+    report.write(fleet.session(utcnow() - timedelta(hours=24)), tmp / "report")
     return time.monotonic() - began
 
 

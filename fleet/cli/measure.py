@@ -136,22 +136,20 @@ def report_cmd(
             return fleet.session(start)
 
     session = run_async(go)
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "report.md").write_text(report.markdown(session))
-    (target / "report.html").write_text(report.html(session, report.plots(session)))
+    page, summary = report.write(session, target)
     if json_output:
         render.print_json(
             {
-                "html": str(target / "report.html"),
-                "markdown": str(target / "report.md"),
+                "html": str(page),
+                "markdown": str(summary),
                 "hosts": report.rows(session),
                 "total_usd": session.bill.total_usd,
                 "glance": session.glance.as_dict() if session.glance else None,
             }
         )
         return
-    render.line(report.markdown(session), newlines=True)
-    render.line(f"wrote {target / 'report.html'} and {target / 'report.md'}")
+    render.line(summary.read_text(), newlines=True)
+    render.line(f"wrote {page} and {summary}")
 
 
 def machines_cmd(json_output: JsonFlag = False, config_path: ConfigPath = None) -> None:

@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from fleet.core.models import LIVE_STATES, Host, HostState, ProbeRun, as_utc
+from fleet.core.models import LIVE_STATES, POOL, Host, HostState, ProbeRun, as_utc
 from fleet.economics.capacity import usd_per_voice_minute
+from fleet.economics.machines import failed_bring_up
 
 MACHINES_SHOWN = 20  # failing machines listed: the rest are counted
 
@@ -95,7 +96,7 @@ class Glance:
 
 
 def _billing(h: Host) -> float:
-    return h.storage_usd_per_hour if h.state in (HostState.STOPPING, HostState.STANDBY) else h.effective_usd_per_hour
+    return h.storage_usd_per_hour if h.state in POOL else h.effective_usd_per_hour
 
 
 def gather(
@@ -118,10 +119,10 @@ def gather(
             h for h in hosts if h.state == HostState.READY and (h.model, h.region) == (sizing.model, sizing.region)
         ]
         rate = sum(h.effective_usd_per_hour for h in ready)
-        held = sizing.capacity
         targets.append(
-            TargetView(sizing.model, sizing.region, sizing.calls, len(ready), held, sizing.in_flight, sizing.pool,
-                       sizing.pool_target, rate, usd_per_voice_minute(rate, held), sizing.paused_since is not None)
+            TargetView(sizing.model, sizing.region, sizing.calls, len(ready), sizing.capacity, sizing.in_flight,
+                       sizing.pool, sizing.pool_target, rate, usd_per_voice_minute(rate, sizing.capacity),
+                       sizing.paused_since is not None)
         )  # fmt: skip
     machines = _failures(hosts, probe_runs, since)
     return Glance(
@@ -150,9 +151,8 @@ def _failures(hosts: list[Host], probe_runs: list[ProbeRun], since: datetime) ->
 
     for h in hosts:
         ended = as_utc(h.destroyed_at or h.created_at)
-        if (h.state == HostState.FAILED or (h.failed_phase and h.ready_at is None)) and ended >= since:
+        if (phase := failed_bring_up(h)) is not None and ended >= since:
             m = machine(h)
-            phase = h.failed_phase or "unknown"
             m.bring_up[phase] = m.bring_up.get(phase, 0) + 1
             latest(m, ended, f"{phase}: {h.failure_reason or 'no reason recorded'}")
     for run in probe_runs:

@@ -46,6 +46,13 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return (end - start).total_seconds() if start and end and end > start else None
 
 
+def failed_bring_up(h: Host) -> str | None:
+    """The phase at which the host's bring-up failed ("unknown" where none was recorded); None if it did not."""
+    if h.state == HostState.FAILED or (h.failed_phase and h.ready_at is None):
+        return h.failed_phase or "unknown"
+    return None
+
+
 def remember(
     hosts: list[Host], probe_runs: list[ProbeRun], bench_runs: list[BenchRun], blacklist: list[Blacklist]
 ) -> list[MachineRecord]:
@@ -65,8 +72,7 @@ def remember(
             record.ready += 1
             if (boot := _seconds(h.created_at, h.ready_at)) is not None:
                 boots.setdefault(key, []).append(boot)
-        if h.state == HostState.FAILED or (h.failed_phase and h.ready_at is None):
-            phase = h.failed_phase or "unknown"
+        if (phase := failed_bring_up(h)) is not None:
             record.failures[phase] = record.failures.get(phase, 0) + 1
         pulled = _seconds(h.connected_at, h.pulled_at)
         if h.pulled_bytes and pulled:

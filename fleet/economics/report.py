@@ -10,7 +10,8 @@ time. The summary, per host: GPU, machine, region, price, probes, capacity, cost
 what the session cost. Nothing secret goes in: no API key, no endpoint key, only what `fleet status`
 shows without `--show-keys`.
 
-`gather` reads the records (I/O); `markdown` and `html` are pure; `plots` draws with matplotlib.
+`gather` reads the records (I/O); `markdown` and `html` are pure; `plots` draws with matplotlib; `write` puts the
+page and the summary in a folder.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from fleet.core.errors import BadInput
@@ -296,3 +298,12 @@ img {{ max-width: 100%; }}
 {figures}
 </body></html>
 """
+
+
+def write(session: Session, folder: Path) -> tuple[Path, Path]:
+    """The page and the summary written into `folder` (made if missing): their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    page, summary = folder / "report.html", folder / "report.md"
+    summary.write_text(markdown(session))
+    page.write_text(html(session, plots(session)))
+    return page, summary
